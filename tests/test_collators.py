@@ -1,0 +1,240 @@
+"""BatchCollator built-ins: exact batches, and each one as collate_fn of a real DataLoader."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tokenmill.dataflow.collators import (
+    BatchCollator,
+    DefaultBatchCollator,
+    DPOPaddingCollator,
+    GRPOPaddingCollator,
+    PackedCollator,
+    SFTPaddingCollator,
+)
+
+
+def L(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long)
+
+
+def B(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.bool)
+
+
+def assert_batch(batch: dict, expected: dict) -> None:
+    assert sorted(batch) == sorted(expected)
+    for key, want in expected.items():
+        got = batch[key]
+        if isinstance(want, torch.Tensor):
+            assert got.dtype == want.dtype, key
+            assert torch.equal(got, want), f"{key}: {got} != {want}"
+        else:
+            assert got == want, key
+
+
+def sft_item(ids: list[int], mask: list[int], positions: list[int]) -> dict:
+    return {
+        "input_ids": L(*ids[:-1]),
+        "target_ids": L(*ids[1:]),
+        "loss_mask": B(*mask[1:]),
+        "position_ids": L(*positions[:-1]),
+    }
+
+
+def test_batch_collator_is_an_abc_with_collate_and_call():
+    with pytest.raises(TypeError):
+        BatchCollator()  # type: ignore[abstract]
+
+    class Count(BatchCollator):
+        def collate(self, samples: list[dict]) -> dict:
+            return {"n": len(samples)}
+
+    assert Count()([{}, {}]) == {"n": 2}
+
+
+def test_default_stacks_tensors_lists_and_numbers():
+    samples = [
+        {"input_ids": L(1, 2), "responses": [L(3), L(4)], "score": 0.5},
+        {"input_ids": L(5, 6), "responses": [L(7), L(8)], "score": 1.5},
+    ]
+    assert_batch(
+        DefaultBatchCollator().collate(samples),
+        {
+            "input_ids": torch.tensor([[1, 2], [5, 6]]),
+            "responses": torch.tensor([[[3], [4]], [[7], [8]]]),
+            "score": torch.tensor([0.5, 1.5]),
+        },
+    )
+
+
+def test_default_refuses_unequal_lengths_and_missing_keys():
+    with pytest.raises(ValueError, match=r"key 'input_ids' has shapes \[\(2,\), \(3,\)\]"):
+        DefaultBatchCollator()([{"input_ids": L(1, 2)}, {"input_ids": L(1, 2, 3)}])
+    with pytest.raises(KeyError, match=r"sample 1 lacks \['a'\]"):
+        DefaultBatchCollator()([{"a": L(1)}, {"b": L(1)}])
+    with pytest.raises(ValueError, match="empty group"):
+        DefaultBatchCollator()([])
+
+
+def test_sft_padding_exact():
+    samples = [sft_item([10, 11, 12, 13], [0, 0, 1, 1], [0, 1, 2, 3]), sft_item([20, 21], [0, 1], [0, 1])]
+    batch = SFTPaddingCollator(pad_id=7).collate(samples)
+    assert_batch(
+        batch,
+        {
+            "input_ids": L(10, 11, 12, 20, 7, 7).view(2, 3),
+            "target_ids": L(11, 12, 13, 21, -100, -100).view(2, 3),
+            "loss_mask": B(0, 1, 1, 1, 0, 0).view(2, 3),
+            "position_ids": L(0, 1, 2, 0, 0, 0).view(2, 3),
+            "attention_mask": B(1, 1, 1, 1, 0, 0).view(2, 3),
+        },
+    )
+    masked = SFTPaddingCollator(pad_id=7, mask_targets=True)(samples)
+    assert torch.equal(masked["target_ids"], L(-100, 12, 13, 21, -100, -100).view(2, 3))
+    # seq items (no loss_mask, no position_ids) pad too
+    seq = SFTPaddingCollator()([{"input_ids": L(1), "target_ids": L(2)}, {"input_ids": L(3, 4), "target_ids": L(4, 5)}])
+    assert_batch(
+        seq,
+        {
+            "input_ids": L(1, 0, 3, 4).view(2, 2),
+            "target_ids": L(2, -100, 4, 5).view(2, 2),
+            "attention_mask": B(1, 0, 1, 1).view(2, 2),
+        },
+    )
+
+
+def test_dpo_padding_to_one_common_length():
+    samples = [
+        {"chosen": L(1, 2, 3), "rejected": L(1, 9), "chosen_mask": B(0, 1, 1), "rejected_mask": B(0, 1)},
+        {"chosen": L(4, 5), "rejected": L(4, 6, 6, 6), "chosen_mask": B(0, 1), "rejected_mask": B(0, 1, 1, 1)},
+    ]
+    assert_batch(
+        DPOPaddingCollator(pad_id=0).collate(samples),
+        {
+            "chosen": L(1, 2, 3, 0, 4, 5, 0, 0).view(2, 4),
+            "rejected": L(1, 9, 0, 0, 4, 6, 6, 6).view(2, 4),
+            "chosen_mask": B(0, 1, 1, 0, 0, 1, 0, 0).view(2, 4),
+            "rejected_mask": B(0, 1, 0, 0, 0, 1, 1, 1).view(2, 4),
+            "chosen_attention_mask": B(1, 1, 1, 0, 1, 1, 0, 0).view(2, 4),
+            "rejected_attention_mask": B(1, 1, 0, 0, 1, 1, 1, 1).view(2, 4),
+        },
+    )
+
+
+def test_grpo_padding_left_prompts_right_responses_and_group_mask():
+    samples = [
+        {
+            "prompts": L(1, 2, 3),
+            "responses": [L(4), L(5, 6)],
+            "masks": [B(1), B(1, 1)],
+            "rewards": torch.tensor([1.0, 0.0]),
+        },
+        {"prompts": L(7), "responses": [L(8, 9, 10)], "masks": [B(0, 1, 1)], "rewards": torch.tensor([0.5])},
+    ]
+    assert_batch(
+        GRPOPaddingCollator(pad_id=0).collate(samples),
+        {
+            "prompts": L(1, 2, 3, 0, 0, 7).view(2, 3),
+            "prompt_attention_mask": B(1, 1, 1, 0, 0, 1).view(2, 3),
+            "responses": L(4, 0, 0, 5, 6, 0, 8, 9, 10, 0, 0, 0).view(2, 2, 3),
+            "masks": B(1, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 0).view(2, 2, 3),
+            "response_attention_mask": B(1, 0, 0, 1, 1, 0, 1, 1, 1, 0, 0, 0).view(2, 2, 3),
+            "rewards": torch.tensor([[1.0, 0.0], [0.5, 0.0]]),
+            "group_mask": B(1, 1, 1, 0).view(2, 2),
+        },
+    )
+
+
+def test_packed_concatenates_with_cu_seqlens_and_reset_positions():
+    samples = [sft_item([1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3]), sft_item([5, 6, 7], [0, 0, 1], [0, 1, 2])]
+    assert_batch(
+        PackedCollator().collate(samples),
+        {
+            "input_ids": L(1, 2, 3, 5, 6).view(1, 5),
+            "target_ids": L(2, 3, 4, 6, 7).view(1, 5),
+            "loss_mask": B(1, 1, 1, 0, 1).view(1, 5),
+            "position_ids": L(0, 1, 2, 0, 1).view(1, 5),
+            "cu_seqlens": torch.tensor([0, 3, 5], dtype=torch.int32),
+            "max_seqlen": 3,
+            "num_tokens": 5,
+        },
+    )
+
+
+def test_packed_splits_windows_at_stored_position_restarts_and_pads():
+    # one window holding the end of a document (positions 7, 8) and a new one (0, 1, 2)
+    window = {"input_ids": L(1, 2, 3, 4, 5), "target_ids": L(2, 3, 4, 5, 6), "position_ids": L(7, 8, 0, 1, 2)}
+    other = {"input_ids": L(9), "target_ids": L(10), "position_ids": L(0)}
+    batch = PackedCollator(pad_id=0, pad_to=8)([window, other])
+    assert_batch(
+        batch,
+        {
+            "input_ids": L(1, 2, 3, 4, 5, 9, 0, 0).view(1, 8),
+            "target_ids": L(2, 3, 4, 5, 6, 10, -100, -100).view(1, 8),
+            "position_ids": L(0, 1, 0, 1, 2, 0, 0, 1).view(1, 8),
+            "cu_seqlens": torch.tensor([0, 2, 5, 6, 8], dtype=torch.int32),
+            "max_seqlen": 3,
+            "num_tokens": 6,
+        },
+    )
+    assert batch["num_tokens"] / batch["input_ids"].shape[1] == 0.75  # packing efficiency
+    with pytest.raises(ValueError, match="group has 6 tokens, over pad_to=4"):
+        PackedCollator(pad_to=4)([window, other])
+
+
+class _Items(Dataset):
+    """Variable-length sft-, dpo- and grpo-shaped items, deterministic in the index."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        n = i % 3 + 2
+        ids = list(range(10 * i, 10 * i + n + 1))
+        return {
+            **sft_item(ids, [0] + [1] * n, list(range(n + 1))),
+            "chosen": L(*ids),
+            "rejected": L(*ids[:2]),
+            "chosen_mask": B(*[1] * (n + 1)),
+            "rejected_mask": B(1, 1),
+            "prompts": L(*ids[:n]),
+            "responses": [L(*ids[: g + 1]) for g in range(i % 2 + 1)],
+            "masks": [B(*[1] * (g + 1)) for g in range(i % 2 + 1)],
+            "rewards": torch.arange(i % 2 + 1, dtype=torch.float32),
+        }
+
+
+@pytest.mark.parametrize(
+    "collator",
+    [SFTPaddingCollator(), DPOPaddingCollator(), GRPOPaddingCollator(), PackedCollator()],
+    ids=lambda c: type(c).__name__,
+)
+def test_collators_as_collate_fn_with_two_workers(collator: BatchCollator):
+    dataset = _Items()
+    in_process = [collator([dataset[j] for j in range(i, i + 4)]) for i in (0, 4)]
+    loader = DataLoader(dataset, batch_size=4, num_workers=2, collate_fn=collator)
+    batches = list(loader)
+    assert len(batches) == 2
+    for got, want in zip(batches, in_process, strict=True):
+        assert sorted(got) == sorted(want)
+        for key in want:
+            if isinstance(want[key], torch.Tensor):
+                assert torch.equal(got[key], want[key]), key
+            else:
+                assert got[key] == want[key]
+
+
+def test_default_collator_with_two_workers():
+    class Fixed(Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": torch.full((3,), i), "target_ids": torch.full((3,), i + 1)}
+
+    batches = list(DataLoader(Fixed(), batch_size=3, num_workers=2, collate_fn=DefaultBatchCollator()))
+    assert torch.equal(batches[1]["input_ids"], torch.tensor([[3, 3, 3], [4, 4, 4], [5, 5, 5]]))
+    assert torch.equal(batches[0]["target_ids"][:, 0], torch.tensor([1, 2, 3]))

@@ -1,0 +1,262 @@
+"""Datasets over shards written by the real pipeline from the shipped data.
+
+Every route of DatasetFactory.load is exercised on real files: offline .bin shards
+for all four types, eager raw JSONL for seq/sft and lazy raw JSONL for dpo/grpo;
+for the same records and config, both routes must give identical items.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from torch.utils.data import DataLoader
+
+from tokenmill.config import default_config
+from tokenmill.dataflow.collators import SFTPaddingCollator
+from tokenmill.datasets import (
+    DATASETS,
+    DatasetFactory,
+    DPODataset,
+    GRPODataset,
+    SEQDataset,
+    SFTDataset,
+)
+
+DATA = Path(__file__).parent.parent / "data"
+TOKENIZER = DATA / "tokenizers" / "qwen2.5"
+IM_START, IM_END = 151644, 151645  # Qwen2.5 "<|im_start|>", "<|im_end|>"
+WINDOW = 64
+
+HAVE_PIPELINE = all(importlib.util.find_spec(f"tokenmill.{m}") for m in ("pipeline", "store", "records"))
+pytestmark = pytest.mark.skipif(
+    not HAVE_PIPELINE, reason="needs tokenmill.pipeline and tokenmill.store to write and read real shards"
+)
+
+# train type -> (shipped file, records used)
+INPUTS = {
+    "seq": ("pretrain_c4_300.jsonl", 6),
+    "sft": ("chat_sharegpt_1000.jsonl", 5),
+    "dpo": ("dpo_en_300.jsonl", 6),
+    "grpo": ("grpo_from_dpo_300.jsonl", 6),
+}
+
+
+def raw_lines(train_type: str) -> list[dict]:
+    name, count = INPUTS[train_type]
+    with open(DATA / name, encoding="utf-8") as f:
+        return [json.loads(next(f)) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The first records of each shipped file, as a raw .jsonl file of their own."""
+    paths = {}
+    for train_type in INPUTS:
+        folder = tmp_path_factory.mktemp(f"raw_{train_type}")
+        paths[train_type] = folder / "data.jsonl"
+        paths[train_type].write_text("".join(json.dumps(r) + "\n" for r in raw_lines(train_type)))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def shards(raw: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Offline .bin datasets written by the real pipeline with each type's default config."""
+    from tokenmill.pipeline import Pipeline
+
+    out = {}
+    for train_type, path in raw.items():
+        out[train_type] = tmp_path_factory.mktemp(f"bin_{train_type}")
+        Pipeline(
+            default_config(train_type), [path], output_dir=out[train_type], tokenizer_path=TOKENIZER,
+            workers=1, overwrite=True,
+        ).run()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
+
+
+def load(train_type: str, path: Path, **kwargs):
+    return DatasetFactory.load(train_type, path, window_size=WINDOW, tokenizer_path=TOKENIZER, **kwargs)
+
+
+def assert_items_equal(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        if isinstance(a[key], list):
+            assert len(a[key]) == len(b[key]), key
+            for x, y in zip(a[key], b[key], strict=True):
+                assert x.dtype == y.dtype and torch.equal(x, y), key
+        else:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+# --- routes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("train_type", list(INPUTS))
+def test_bin_route_gives_the_right_class_and_store(train_type: str, shards: dict[str, Path]):
+    from tokenmill.store import MmapStore
+
+    ds = load(train_type, shards[train_type])
+    assert type(ds) is DATASETS[train_type]
+    assert isinstance(ds.store, MmapStore)
+    if train_type in ("seq", "sft"):
+        assert len(ds) == ds.store.num_samples > 0
+    else:
+        assert len(ds) == ds.store.num_records == INPUTS[train_type][1]
+
+
+@pytest.mark.parametrize("train_type", list(INPUTS))
+def test_bin_and_raw_jsonl_routes_give_identical_items(
+    train_type: str, shards: dict[str, Path], raw: dict[str, Path]
+):
+    if train_type == "seq":  # eager through dataset_config.json beside the data
+        config = default_config("seq").model_dump(mode="json")
+        config["tokenizer_path"] = str(TOKENIZER)
+        (raw["seq"].parent / "dataset_config.json").write_text(json.dumps(config))
+    offline = load(train_type, shards[train_type])
+    online = load(train_type, raw[train_type])
+    assert type(online.store).__name__ == "JsonlStore"
+    assert len(offline) == len(online) > 0
+    for i in range(len(offline)):
+        assert_items_equal(offline[i], online[i])
+        assert offline.sample_length(i) == online.sample_length(i)
+
+
+def test_prebuilt_store_bypasses_path_and_format(shards: dict[str, Path]):
+    store = load("sft", shards["sft"]).store
+    ds = DatasetFactory.load("seq", "/nonexistent/path", window_size=7, store=store)
+    assert type(ds) is SEQDataset and ds.store is store
+    assert torch.equal(ds[0]["input_ids"], load("sft", shards["sft"])[0]["input_ids"])
+
+
+# --- items --------------------------------------------------------------------------------
+
+
+def test_seq_windows_are_the_token_stream_shifted_by_one(shards: dict[str, Path], tokenizer: Tokenizer):
+    eos = IM_END  # the tokenizer's eos_token
+    stream: list[int] = []
+    for record in raw_lines("seq"):
+        stream += tokenizer.encode(record["text"], add_special_tokens=True).ids + [eos]
+    ds = load("seq", shards["seq"])
+    assert ds[0]["input_ids"].tolist() == stream[:WINDOW]
+    assert ds[0]["target_ids"].tolist() == stream[1 : WINDOW + 1]
+    assert ds[3]["input_ids"].tolist() == stream[3 * WINDOW : 4 * WINDOW]
+    half = load("seq", shards["seq"], stride=WINDOW // 2)
+    assert half[3]["target_ids"].tolist() == stream[3 * WINDOW // 2 + 1 : 3 * WINDOW // 2 + WINDOW + 1]
+    assert ds[0]["input_ids"].dtype == torch.long
+    last = ds[len(ds) - 1]
+    assert len(last["input_ids"]) == len(last["target_ids"]) == WINDOW
+
+
+def test_sft_loss_mask_is_aligned_with_targets(shards: dict[str, Path], tokenizer: Tokenizer):
+    ds = load("sft", shards["sft"], stride=1)
+    assert len(ds) == ds.store.token_count - WINDOW
+    item = ds[0]
+    assert item["loss_mask"].dtype == torch.bool and item["position_ids"].dtype == torch.long
+    assert item["position_ids"].tolist() == list(range(WINDOW))  # first record starts the stream
+    # a target that opens a turn: trained for the assistant (its header is in its span), not for the user
+    assistant = tokenizer.token_to_id("assistant")
+    opened = {}
+    for i in range(len(ds)):
+        item = ds[i]
+        targets, mask = item["target_ids"].tolist(), item["loss_mask"].tolist()
+        for k in range(WINDOW - 1):
+            if targets[k] == IM_START:
+                opened.setdefault(targets[k + 1] == assistant, set()).add(mask[k])
+    assert opened == {True: {True}, False: {False}}
+
+
+def test_dpo_items_and_truncation_keep_the_start(shards: dict[str, Path]):
+    full, cut = load("dpo", shards["dpo"], max_len=100_000), load("dpo", shards["dpo"], max_len=40)
+    for i in range(len(full)):
+        a, b = full[i], cut[i]
+        assert {k: v.dtype for k, v in a.items()} == {
+            "chosen": torch.long, "rejected": torch.long, "chosen_mask": torch.bool, "rejected_mask": torch.bool
+        }
+        for key in a:
+            assert torch.equal(b[key], a[key][:40])
+        assert len(a["chosen"]) == len(a["chosen_mask"]) > 40
+        assert a["chosen"][-1] == IM_END and a["chosen_mask"][-1]  # ends on the trained end of turn
+        assert cut.sample_length(i) == len(b["chosen"]) + len(b["rejected"]) == 80
+        assert full.sample_length(i) == len(a["chosen"]) + len(a["rejected"])
+
+
+def test_grpo_items_hold_the_group(shards: dict[str, Path], tokenizer: Tokenizer):
+    ds = load("grpo", shards["grpo"])
+    eos = tokenizer.token_to_id("<|im_end|>")
+    assert eos == IM_END
+    for i, record in enumerate(raw_lines("grpo")):
+        item = ds[i]
+        assert type(ds) is GRPODataset
+        assert item["rewards"].dtype == torch.float32
+        assert item["rewards"].tolist() == record["rewards"]
+        assert tokenizer.decode(item["prompts"].tolist(), skip_special_tokens=False).endswith(
+            "<|im_start|>assistant\n"
+        )
+        assert len(item["responses"]) == len(item["masks"]) == len(record["responses"])
+        for resp, mask, text in zip(item["responses"], item["masks"], record["responses"], strict=True):
+            assert resp.dtype == torch.long and mask.dtype == torch.bool and bool(mask.all())
+            assert resp[-1] == eos
+            assert tokenizer.decode(resp[:-1].tolist()) == text[: len(tokenizer.decode(resp[:-1].tolist()))]
+        sizes = len(item["prompts"]) + sum(len(r) for r in item["responses"])
+        assert ds.sample_length(i) == sizes
+
+
+# --- errors, fingerprint, loader ----------------------------------------------------------
+
+
+def test_store_without_a_required_key_fails_at_construction(shards: dict[str, Path]):
+    seq_store = load("seq", shards["seq"]).store
+    with pytest.raises(ValueError, match=r"SFTDataset needs store keys \['loss_mask'\].*available keys: "
+                       r"\['position_ids', 'sequence'\]"):
+        DatasetFactory.create("sft", store=seq_store)
+    with pytest.raises(ValueError, match=r"DPODataset needs store keys \['chosen', 'rejected'"):
+        DPODataset(seq_store)
+
+
+def test_unknown_names_and_keywords_raise(shards: dict[str, Path]):
+    with pytest.raises(ValueError, match=r"unknown train_type 'pretrain'; valid: \['dpo', 'grpo', 'seq', 'sft'\]"):
+        DatasetFactory.load("pretrain", shards["seq"], window_size=WINDOW)
+    with pytest.raises(TypeError, match="window"):
+        DatasetFactory.create("seq", store=load("seq", shards["seq"]).store, window=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="tokenizer"):
+        DatasetFactory.load("seq", shards["seq"], window_size=WINDOW, tokenizer="x")  # type: ignore[call-arg]
+    with pytest.raises(IndexError, match="out of range"):
+        load("dpo", shards["dpo"])[6]
+
+
+def test_fingerprint_follows_data_and_cut(shards: dict[str, Path]):
+    a, b = load("sft", shards["sft"]), load("sft", shards["sft"])
+    assert isinstance(a.fingerprint, str) and a.fingerprint == b.fingerprint
+    assert a.fingerprint != load("sft", shards["sft"], stride=WINDOW // 2).fingerprint
+    assert a.fingerprint != load("seq", shards["sft"]).fingerprint
+    assert load("dpo", shards["dpo"]).fingerprint != load("dpo", shards["dpo"], max_len=40).fingerprint
+    assert load("dpo", shards["dpo"]).fingerprint != load("grpo", shards["grpo"]).fingerprint
+
+
+def test_sample_length_matches_items(shards: dict[str, Path]):
+    for train_type in ("seq", "sft"):
+        ds = load(train_type, shards[train_type])
+        assert [ds.sample_length(i) for i in range(len(ds))] == [WINDOW] * len(ds)
+
+
+def test_dataloader_workers_read_the_shards(shards: dict[str, Path]):
+    ds = load("sft", shards["sft"])
+    assert type(ds) is SFTDataset
+    collate = SFTPaddingCollator()
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=collate)
+    batches = list(loader)
+    assert len(batches) == -(-len(ds) // 4)
+    for n, batch in enumerate(batches):
+        want = collate([ds[i] for i in range(4 * n, min(4 * n + 4, len(ds)))])
+        for key in want:
+            assert torch.equal(batch[key], want[key]), key

@@ -1,0 +1,295 @@
+"""templates.py: real tokenizers, checked against transformers' apply_chat_template."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import jinja2
+import numpy as np
+import pytest
+
+from tokenmill.templates import (
+    encode_text,
+    load_tokenizer,
+    render_conversation,
+    render_text,
+)
+
+DATA = Path(__file__).parent.parent / "data"
+FAMILIES = ["qwen2.5", "deepseek-v3", "qwen3"]
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+
+def _sharegpt(n: int) -> list[list[dict]]:
+    with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
+        return [json.loads(line)["messages"] for _, line in zip(range(n), f)]
+
+
+EXTRA = [
+    [
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Arr, hello!"},
+    ],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "<think>\nA simple sum.\n</think>\n\n4"},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "<think>\nAgain simple.\n</think>\n\n6"},
+    ],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "<think>Pick one.</think>Blue."},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "Red."},
+    ],
+    [  # the same text in two turns: the search must move forward
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "ok"},
+    ],
+]
+CONVERSATIONS = _sharegpt(40) + EXTRA
+
+
+@pytest.fixture(scope="module")
+def bundles():
+    return {family: load_tokenizer(DATA / "tokenizers" / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def oracles():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    return {
+        family: transformers.AutoTokenizer.from_pretrained(str(DATA / "tokenizers" / family))
+        for family in FAMILIES
+    }
+
+
+def _oracle_ids(oracle, messages, add_generation_prompt=False) -> list[int]:
+    out = oracle.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _trained_runs(bundle, ids: np.ndarray, mask: np.ndarray) -> list[str]:
+    """Decoded text of each maximal run of trained tokens."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [
+        bundle.tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
+        for a, b in zip(edges[::2], edges[1::2])
+    ]
+
+
+def _expected_turn(family: str, messages: list[dict], k: int) -> str:
+    """The text assistant message k must train on: header, visible content, end-of-turn."""
+    content = messages[k]["content"]
+    if family == "deepseek-v3":
+        return f"<｜Assistant｜>{content}{DS_EOS}"
+    if family == "qwen2.5" or "</think>" not in content:
+        if family == "qwen3" and k == len(messages) - 1:
+            return f"<|im_start|>assistant\n<think>\n\n</think>\n\n{content}<|im_end|>\n"
+        return f"<|im_start|>assistant\n{content}<|im_end|>\n"
+    answer = content.split("</think>")[-1].lstrip("\n")
+    reasoning = content.split("</think>")[0].split("<think>")[-1].strip("\n")
+    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    if k > last_user:  # Qwen3 keeps reasoning only after the last user turn
+        return f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{answer}<|im_end|>\n"
+    return f"<|im_start|>assistant\n{answer}<|im_end|>\n"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ids_match_transformers_and_mask_trains_exactly_the_assistant_turns(
+    family, bundles, oracles
+):
+    bundle = bundles[family]
+    for n, messages in enumerate(CONVERSATIONS):
+        actions = [m["role"] == "assistant" for m in messages]
+        ids, mask = render_conversation(bundle, messages, actions)
+        assert ids.dtype == np.int32 and mask.dtype == bool and ids.shape == mask.shape
+        assert ids.tolist() == _oracle_ids(oracles[family], messages), f"conversation {n}"
+
+        expected = [_expected_turn(family, messages, k) for k, a in enumerate(actions) if a]
+        assert _trained_runs(bundle, ids, mask) == expected, f"conversation {n}"
+        text = bundle.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+        if family == "deepseek-v3":
+            assert ids[0] == bundle.bos_id == 0 and not mask[0]
+            assert int((ids == bundle.bos_id).sum()) == 1
+        if family == "qwen2.5" and messages[0]["role"] != "system":
+            assert text.count(QWEN_SYSTEM) == 1
+            assert not any(QWEN_SYSTEM in run for run in expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_render_text_matches_transformers(family, add_generation_prompt, bundles, oracles):
+    with_reasoning_field = [
+        {"role": "user", "content": "Why?"},
+        {"role": "assistant", "content": "Because.", "reasoning_content": "Think first."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    for messages in [*CONVERSATIONS[:5], *EXTRA, with_reasoning_field]:
+        for prompt in (messages, messages[:-1] if len(messages) > 1 else messages):
+            expected = oracles[family].apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            assert render_text(bundles[family], prompt, add_generation_prompt) == expected
+
+
+GOLDEN_MESSAGES = [
+    {"role": "user", "content": "Hi!"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+GOLDEN = {
+    # system prompt (20 tokens) + "\n" | user "Hi!" | assistant "Hello." | user "2+2?" | assistant "4"
+    "qwen2.5": (
+        [151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525,
+         264, 10950, 17847, 13, 151645, 198, 151644, 872, 198, 13048, 0, 151645, 198, 151644,
+         77091, 198, 9707, 13, 151645, 198, 151644, 872, 198, 17, 10, 17, 30, 151645, 198,
+         151644, 77091, 198, 19, 151645, 198],
+        "0000000000000000000000000000" "1111111" "000000000" "111111",
+    ),
+    # BOS <User> "Hi!" | <Assistant> "Hello." <eos> | <User> "2+2?" | <Assistant> "4" <eos>
+    "deepseek-v3": (
+        [0, 128803, 23166, 3, 128804, 19923, 16, 1, 128803, 20, 13, 20, 33, 128804, 22, 1],
+        "0000" "1111" "00000" "111",
+    ),
+    # no system prompt; the last assistant turn gets an empty <think> block
+    "qwen3": (
+        [151644, 872, 198, 13048, 0, 151645, 198, 151644, 77091, 198, 9707, 13, 151645, 198,
+         151644, 872, 198, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198, 151667, 271,
+         151668, 271, 19, 151645, 198],
+        "0000000" "1111111" "000000000" "1111111111",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_golden_ids_and_mask(family, bundles):
+    ids, mask = render_conversation(bundles[family], GOLDEN_MESSAGES, [False, True, False, True])
+    expected_ids, expected_mask = GOLDEN[family]
+    assert ids.tolist() == expected_ids
+    assert "".join("1" if m else "0" for m in mask) == expected_mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generation_prompt_is_never_trained(family, bundles, oracles):
+    messages = GOLDEN_MESSAGES[:3]
+    ids, mask = render_conversation(bundles[family], messages, [True] * 3, True)
+    assert ids.tolist() == _oracle_ids(oracles[family], messages, add_generation_prompt=True)
+    prompt = {"deepseek-v3": 1, "qwen2.5": 3, "qwen3": 3}[family]  # <Assistant> | <im_start>assistant\n
+    assert not mask[-prompt:].any()
+    assert mask[-prompt - 1]  # the user turn before it trains, as asked
+    assert mask[0] == (family != "deepseek-v3")  # BOS never trains
+
+
+def test_empty_content_gets_its_own_header_and_end_of_turn(bundles, oracles):
+    messages = [
+        {"role": "user", "content": "Say nothing."},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "Now say hi."},
+        {"role": "assistant", "content": "hi"},
+    ]
+    for family, turn in [("qwen2.5", "<|im_start|>assistant\n{}<|im_end|>\n"),
+                         ("deepseek-v3", "<｜Assistant｜>{}" + DS_EOS)]:  # fmt: skip
+        ids, mask = render_conversation(bundles[family], messages, [False, True, False, True])
+        assert ids.tolist() == _oracle_ids(oracles[family], messages)
+        assert _trained_runs(bundles[family], ids, mask) == [turn.format(""), turn.format("hi")]
+
+
+def test_encode_text_adds_exactly_one_bos(bundles):
+    deepseek, qwen = bundles["deepseek-v3"], bundles["qwen2.5"]
+    plain = encode_text(deepseek, "Hello world", add_special_tokens=False)
+    assert plain.dtype == np.int32 and plain[0] != 0
+    assert encode_text(deepseek, "Hello world", True).tolist() == [0, *plain.tolist()]
+    assert encode_text(deepseek, DS_BOS + "Hello world", True).tolist() == [0, *plain.tolist()]
+    assert encode_text(deepseek, "", True).tolist() == [0]
+    assert encode_text(qwen, "Hello world", True).tolist() == [9707, 1879]
+    assert encode_text(qwen, "Hello world", False).tolist() == [9707, 1879]
+
+
+def test_bundle_reads_added_token_dicts_and_null_bos(bundles):
+    deepseek, qwen = bundles["deepseek-v3"], bundles["qwen2.5"]
+    assert (deepseek.bos_token, deepseek.bos_id, deepseek.eos_id, deepseek.pad_id) == (
+        DS_BOS, 0, 1, 1,
+    )  # fmt: skip
+    assert (qwen.bos_token, qwen.bos_id, qwen.eos_token, qwen.eos_id, qwen.pad_id) == (
+        None, None, "<|im_end|>", 151645, 151643,
+    )  # fmt: skip
+    assert len(qwen.fingerprint) == 64 and qwen.fingerprint != bundles["qwen3"].fingerprint
+    assert load_tokenizer(str(DATA / "tokenizers" / "qwen2.5")) is qwen  # cached
+
+
+def test_template_sources_in_a_folder(tmp_path, bundles):
+    shutil.copy(DATA / "tokenizers" / "qwen2.5" / "tokenizer.json", tmp_path / "tokenizer.json")
+    config = {"eos_token": "<|im_end|>", "chat_template": [
+        {"name": "tool_use", "template": "tools"},
+        {"name": "default", "template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"},
+    ]}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    listed = load_tokenizer(tmp_path)
+    assert render_text(listed, [{"role": "user", "content": "a"}]) == "[a]"
+    assert listed.fingerprint != bundles["qwen2.5"].fingerprint
+
+    (tmp_path / "chat_template.jinja").write_text("<{{ messages[0].content }}>")
+    jinja_dir = tmp_path / "copy"
+    shutil.copytree(tmp_path, jinja_dir)
+    assert render_text(load_tokenizer(jinja_dir), [{"role": "user", "content": "a"}]) == "<a>"
+
+
+def test_errors_name_the_file_or_the_message(tmp_path, bundles):
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        load_tokenizer(tmp_path)
+    shutil.copy(DATA / "tokenizers" / "qwen2.5" / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|nope|>"}')
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: eos_token '<\|nope\|>'"):
+        load_tokenizer(tmp_path)
+
+    shouting = dataclasses.replace(
+        bundles["qwen2.5"], chat_template="{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "yes"}]
+    with pytest.raises(ValueError, match=r"messages\[1\] \(role 'assistant'\): content not found"):
+        render_conversation(shouting, messages, [False, True])
+    with pytest.raises(ValueError, match="2 values for 1 messages"):
+        render_conversation(bundles["qwen2.5"], messages[:1], [False, True])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__ }}",
+        "{{ messages.__class__ }}",
+        "{% set x = messages.append(1) %}",
+        "{% set ns = namespace(__init__=1) %}",
+    ],
+)
+def test_sandbox_refuses_unsafe_templates(template, bundles):
+    hostile = dataclasses.replace(bundles["qwen2.5"], chat_template=template)
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        render_text(hostile, [{"role": "user", "content": "hi"}])
+
+
+def test_template_helpers(bundles):
+    template = (
+        "{{ messages[0].content | tojson(indent=2) }}|{{ strftime_now('%Y') | length }}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}|{{ m.role }}{% endfor %}"
+        "{% if messages | length > 1 %}{{ raise_exception('only one message') }}{% endif %}"
+    )
+    helpers = dataclasses.replace(bundles["qwen2.5"], chat_template=template)
+    assert render_text(helpers, [{"role": "user", "content": {"é": [1]}}]) == (
+        '{\n  "é": [\n    1\n  ]\n}|4|user'
+    )
+    with pytest.raises(jinja2.exceptions.TemplateError, match="only one message"):
+        render_text(helpers, [{"role": "user", "content": "a"}] * 2)

@@ -1,0 +1,134 @@
+"""Chunks: the unit of preprocessing work, shared by the local and the Ray engine.
+
+Records are cut into chunks of `batch_size` in input order; a chunk is masked
+and packed as a whole (packing pools never cross chunks), so the rows a chunk
+yields depend only on its records, never on which worker ran it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from tokenmill.config import PipelineConfig
+from tokenmill.masking import RecordMasker
+from tokenmill.packing import apply_packing, plan_packing, position_ids
+from tokenmill.records import Record, RecordError, get_field, read_records
+from tokenmill.templates import load_tokenizer
+
+_SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class Chunk:
+    index: int
+    records: list[Record] = field(default_factory=list)
+    read_errors: list[RecordError] = field(default_factory=list)
+
+
+@dataclass
+class ChunkResult:
+    index: int
+    records_read: int
+    records_written: int
+    rows: list[tuple[str, dict]]
+    errors: list[RecordError]
+    dropped_tokens: int = 0
+
+
+def iter_chunks(files: list[Path], config: PipelineConfig, collect_errors: bool) -> Iterator[Chunk]:
+    """Records of all files in order, cut into chunks; read errors travel with their chunk."""
+    size = config.preprocessing.batch_size
+    limit = config.preprocessing.max_items
+    chunk = Chunk(0)
+    seen = 0
+    for path in files:
+        errors: list[RecordError] = []
+        on_error = errors.append if collect_errors else None
+        for record in read_records(path, on_error=on_error):
+            if errors:
+                chunk.read_errors.extend(errors)
+                errors.clear()
+            chunk.records.append(record)
+            seen += 1
+            if len(chunk.records) == size:
+                yield chunk
+                chunk = Chunk(chunk.index + 1)
+            if limit is not None and seen >= limit:
+                break
+        chunk.read_errors.extend(errors)
+        if limit is not None and seen >= limit:
+            break
+    if chunk.records or chunk.read_errors:
+        yield chunk
+
+
+_MASKER: RecordMasker | None = None
+
+
+def setup_worker(config_data: dict, tokenizer_path: str) -> None:
+    """Load the tokenizer and masker once per worker process."""
+    global _MASKER
+    config = PipelineConfig.from_dict(config_data)
+    _MASKER = RecordMasker(config, load_tokenizer(tokenizer_path))
+
+
+def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResult:
+    masker = masker or _MASKER
+    if masker is None:
+        raise RuntimeError("process_chunk called before setup_worker")
+    config = masker.config
+    errors = list(chunk.read_errors)
+    by_domain: dict[str, list[dict]] = {}
+    for record in chunk.records:
+        try:
+            domain = _domain(record, config)
+            out = masker.process(record)
+        except RecordError as err:
+            errors.append(err)
+            continue
+        by_domain.setdefault(domain, []).append(out)
+    written = sum(len(v) for v in by_domain.values())
+    rows: list[tuple[str, dict]] = []
+    dropped = 0
+    for domain, outs in by_domain.items():
+        packed, lost = pack_rows(outs, config)
+        dropped += lost
+        rows.extend((domain, row) for row in packed)
+    read = len(chunk.records) + len(chunk.read_errors)
+    return ChunkResult(chunk.index, read, written, rows, errors, dropped)
+
+
+def pack_rows(outs: list[dict], config: PipelineConfig) -> tuple[list[dict], int]:
+    """Single-output records packed into rows of at most max_packed_len; other data passes through."""
+    pre = config.preprocessing
+    if config.multi_output or pre.packing_strategy == "none" or not outs:
+        return outs, 0
+    keys = [k for k in outs[0] if k != "position_ids"]
+    docs = {k: [o[k] for o in outs] for k in keys}
+    plan, dropped = plan_packing([len(o["sequence"]) for o in outs], pre.max_packed_len, pre.packing_strategy)
+    packed = apply_packing(docs, plan)
+    mode = config.output.position_ids_mode
+    rows = []
+    for r, pieces in enumerate(plan):
+        row = {k: packed[k][r] for k in keys}
+        if mode != "none":
+            row["position_ids"] = np.asarray(position_ids(pieces, mode), dtype=np.int32)
+        rows.append(row)
+    return rows, dropped
+
+
+def _domain(record: Record, config: PipelineConfig) -> str:
+    key = config.output.domain_key
+    if key is None:
+        return ""
+    value = get_field(record, key)
+    if not isinstance(value, str) or not _SAFE_DOMAIN.match(value):
+        raise RecordError(record.source, record.line, key,
+                          f"domain must be a short name of letters, digits, '.', '_' or '-', got {value!r}",
+                          "bad_value")
+    return value

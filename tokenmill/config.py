@@ -1,0 +1,236 @@
+"""PipelineConfig: the declarative description of one preprocessing job.
+
+First stage of the flow: it says which record fields become which output keys
+and which roles train. Validation is strict so that a typo fails before any
+work, with the dotted path of the bad field and the valid choices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tokenmill.packing import PACKING_STRATEGIES, POSITION_IDS_MODES
+
+ACTIONS = ("train", "mask", "$role", "value")
+ROLE_ACTIONS = ("train", "mask")
+TRAIN_TYPES = ("seq", "sft", "instruction", "dpo", "grpo")
+STORAGE_FORMATS = ("bin", "jsonl")
+TRUNCATION_MODES = ("keep_start", "keep_end")
+DTYPES = ("bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32")
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the dotted path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Section(_Strict):
+    """One record field turned into tokens (or copied, for `action: value`)."""
+
+    field: str
+    action: Literal[ACTIONS] = "train"  # type: ignore[valid-type]
+    template: bool = False
+    add_special_tokens: bool | None = None
+    generation_prompt: bool = False
+    eos: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Section:
+        if self.action == "$role" and not self.template:
+            raise ValueError('action "$role" needs template: true (roles come from chat messages)')
+        if self.action == "value" and (self.template or self.eos):
+            raise ValueError('action "value" copies the raw value: template and eos must be false')
+        if self.generation_prompt and not self.template:
+            raise ValueError("generation_prompt needs template: true")
+        return self
+
+
+class Source(_Strict):
+    """One output key of multi-output data (DPO chosen/rejected, GRPO prompts/responses/rewards)."""
+
+    sections: list[Section] = Field(min_length=1)
+    list_field: bool = False
+    mask_key: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Source:
+        values = [s.action == "value" for s in self.sections]
+        if any(values) and len(self.sections) != 1:
+            raise ValueError('a source with an "action: value" section must have exactly that one section')
+        if self.list_field and len(self.sections) != 1:
+            raise ValueError("list_field: true needs exactly one section (the list field)")
+        return self
+
+
+class InputConfig(_Strict):
+    sections: list[Section] = Field(default_factory=list)
+    sources: dict[str, Source] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> InputConfig:
+        if not self.sources and not self.sections:
+            raise ValueError("give input.sections (single output) or input.sources (multi-output)")
+        if any(s.action == "value" for s in self.sections):
+            raise ValueError('"action: value" is only valid inside input.sources')
+        return self
+
+
+class Preprocessing(_Strict):
+    max_seq_len: int = Field(2048, gt=0)
+    min_chars: int = Field(50, ge=0)
+    max_chars: int = Field(2_000_000, gt=0)
+    max_items: int | None = Field(None, gt=0)
+    batch_size: int = Field(256, gt=0)
+    packing_strategy: Literal[("none", *PACKING_STRATEGIES)] = "simple"  # type: ignore[valid-type]
+    max_packed_len: int = Field(8192, gt=0)
+    truncation_mode: Literal[TRUNCATION_MODES] = "keep_start"  # type: ignore[valid-type]
+
+
+class Output(_Strict):
+    domain_key: str | None = None
+    storage_format: Literal[STORAGE_FORMATS] = "bin"  # type: ignore[valid-type]
+    max_tokens_per_shard: int = Field(100_000_000, gt=0)
+    dtype: dict[str, Literal[DTYPES]] = Field(default_factory=dict)  # type: ignore[valid-type]
+    position_ids_mode: Literal[POSITION_IDS_MODES] = "doc_reset"  # type: ignore[valid-type]
+
+
+class PipelineConfig(_Strict):
+    version: Literal[1] = 1
+    input: InputConfig
+    mask: dict[str, Literal[ROLE_ACTIONS]] = Field(  # type: ignore[valid-type]
+        default_factory=lambda: {"system": "mask", "user": "mask", "assistant": "train"}
+    )
+    mask_default: Literal[ROLE_ACTIONS] = "mask"  # type: ignore[valid-type]
+    preprocessing: Preprocessing = Field(default_factory=Preprocessing)
+    output: Output = Field(default_factory=Output)
+
+    @field_validator("mask")
+    @classmethod
+    def _roles(cls, mask: dict[str, str]) -> dict[str, str]:
+        for role in mask:
+            if not role or not isinstance(role, str):
+                raise ValueError("role names must be non-empty strings")
+        return mask
+
+    @model_validator(mode="after")
+    def _check(self) -> PipelineConfig:
+        if self.preprocessing.min_chars > self.preprocessing.max_chars:
+            raise ValueError("preprocessing.min_chars is larger than preprocessing.max_chars")
+        return self
+
+    # --- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = "config") -> PipelineConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(format_errors(err, origin)) from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> PipelineConfig:
+        path = Path(path)
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (json.JSONDecodeError, yaml.YAMLError) as err:
+            raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {err}") from None
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k != "tokenizer_path"}
+        return cls.from_dict(data, origin=str(path))
+
+    # --- derived facts ----------------------------------------------------------------
+    @property
+    def multi_output(self) -> bool:
+        return bool(self.input.sources)
+
+    def role_trains(self, role: str) -> bool:
+        return self.mask.get(role, self.mask_default) == "train"
+
+    def known_roles(self) -> set[str]:
+        return set(KNOWN_ROLES) | set(self.mask)
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+def format_errors(err: ValidationError, origin: str) -> str:
+    lines = []
+    for e in err.errors():
+        path = ""
+        for part in e["loc"]:
+            if isinstance(part, int):
+                path += f"[{part}]"
+            elif str(part).startswith(("literal[", "function-")) or part in {"str", "int"}:
+                continue
+            else:
+                path += ("." if path else "") + str(part)
+        msg = "unknown field" if e["type"] == "extra_forbidden" else e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        lines.append(f"{origin}: {path or '<root>'}: {msg}")
+    return "\n".join(lines)
+
+
+def default_config(train_type: str) -> PipelineConfig:
+    """The built-in config for each training type, matching the shipped sample data."""
+    if train_type not in DEFAULT_CONFIGS:
+        raise ValueError(f"unknown train_type {train_type!r}; valid: {sorted(DEFAULT_CONFIGS)}")
+    return PipelineConfig.from_dict(DEFAULT_CONFIGS[train_type], origin=f"default_config({train_type})")
+
+
+_CHAT = {"field": "messages", "template": True, "action": "$role"}
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    "seq": {"input": {"sections": [{"field": "text", "action": "train", "eos": True}]}},
+    "sft": {"input": {"sections": [_CHAT]}},
+    "instruction": {
+        "input": {
+            "sections": [
+                {"field": "prompt", "action": "mask"},
+                {"field": "response", "action": "train", "eos": True},
+            ]
+        },
+        "preprocessing": {"min_chars": 1},
+    },
+    "dpo": {
+        "input": {
+            "sources": {
+                "chosen": {"sections": [{"field": "chosen", "template": True, "action": "$role"}]},
+                "rejected": {"sections": [{"field": "rejected", "template": True, "action": "$role"}]},
+            }
+        },
+        "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
+    },
+    "grpo": {
+        "input": {
+            "sources": {
+                "prompts": {
+                    "sections": [
+                        {"field": "prompt", "template": True, "action": "mask", "generation_prompt": True}
+                    ]
+                },
+                "responses": {
+                    "sections": [
+                        {"field": "responses", "action": "train", "eos": True, "add_special_tokens": False}
+                    ],
+                    "list_field": True,
+                    "mask_key": "masks",
+                },
+                "rewards": {"sections": [{"field": "rewards", "action": "value"}]},
+            }
+        },
+        "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
+    },
+}

@@ -1,0 +1,237 @@
+"""BatchCollator: the fourth and last dataflow role, one group of samples -> one batch.
+
+DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator. A collator
+is also a callable, so any of them works as `collate_fn` of a plain torch DataLoader.
+Padding conventions: ids take `pad_id`, `target_ids` take `label_pad_id` (-100,
+PyTorch's cross-entropy `ignore_index`), masks take False, positions take 0.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BatchCollator",
+    "DefaultBatchCollator",
+    "SFTPaddingCollator",
+    "DPOPaddingCollator",
+    "GRPOPaddingCollator",
+    "PackedCollator",
+]
+
+
+class BatchCollator(ABC):
+    """Collates one group of samples into one batch dict for ``model.forward()``."""
+
+    @abstractmethod
+    def collate(self, samples: list[dict]) -> dict: ...
+
+    def __call__(self, samples: list[dict]) -> dict:
+        return self.collate(samples)
+
+
+def pad_stack(
+    tensors: Sequence[torch.Tensor], value: float | bool, left: bool = False, length: int | None = None
+) -> torch.Tensor:
+    """Stack 1-D tensors into [N, L], L = `length` or the longest, filling with `value`."""
+    length = max((len(t) for t in tensors), default=0) if length is None else length
+    dtype = tensors[0].dtype if tensors else torch.long
+    out = torch.full((len(tensors), length), value, dtype=dtype)
+    for row, t in enumerate(tensors):
+        if left:
+            out[row, length - len(t) :] = t
+        else:
+            out[row, : len(t)] = t
+    return out
+
+
+def attention_mask(lengths: Sequence[int], length: int, left: bool = False) -> torch.Tensor:
+    """[N, L] bool, True on the real tokens of each row."""
+    positions = torch.arange(length)
+    real = torch.as_tensor(list(lengths), dtype=torch.long).unsqueeze(1)
+    return positions >= length - real if left else positions < real
+
+
+def _require(samples: list[dict], keys: Sequence[str], collator: str) -> None:
+    if not samples:
+        raise ValueError(f"{collator}: cannot collate an empty group")
+    for i, sample in enumerate(samples):
+        missing = [k for k in keys if k not in sample]
+        if missing:
+            raise KeyError(f"{collator}: sample {i} lacks {missing}; it has {sorted(sample)}")
+
+
+class DefaultBatchCollator(BatchCollator):
+    """Stacks each key: tensors to [B, ...], lists of equal-shape tensors to [B, G, ...],
+    numbers to [B]. Unequal lengths raise: use a padding or packed collator."""
+
+    def collate(self, samples: list[dict]) -> dict:
+        _require(samples, list(samples[0]) if samples else [], "DefaultBatchCollator")
+        return {key: self._stack(key, [s[key] for s in samples]) for key in samples[0]}
+
+    def _stack(self, key: str, values: list[Any]) -> torch.Tensor:
+        if isinstance(values[0], (list, tuple)):
+            values = [torch.stack([torch.as_tensor(v) for v in group]) for group in values]
+        elif not isinstance(values[0], torch.Tensor):
+            return torch.as_tensor(values)
+        shapes = {tuple(v.shape) for v in values}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"DefaultBatchCollator: key {key!r} has shapes {sorted(shapes)} in one group; "
+                "stacking needs equal shapes (use a padding or packed collator)"
+            )
+        return torch.stack(values)
+
+
+class SFTPaddingCollator(BatchCollator):
+    """Right-pads seq/sft items to the longest in the group: input_ids with `pad_id`,
+    target_ids with `label_pad_id`, loss_mask with False, position_ids with 0; adds
+    `attention_mask` (bool, True on real tokens). `mask_targets=True` also writes
+    `label_pad_id` into targets whose loss_mask is False, for losses that read only ids."""
+
+    def __init__(self, pad_id: int = 0, label_pad_id: int = -100, mask_targets: bool = False):
+        self.pad_id = pad_id
+        self.label_pad_id = label_pad_id
+        self.mask_targets = mask_targets
+
+    def collate(self, samples: list[dict]) -> dict:
+        _require(samples, ["input_ids", "target_ids"], "SFTPaddingCollator")
+        lengths = [len(s["input_ids"]) for s in samples]
+        length = max(lengths)
+        batch = {
+            "input_ids": pad_stack([s["input_ids"] for s in samples], self.pad_id),
+            "target_ids": pad_stack([s["target_ids"] for s in samples], self.label_pad_id),
+            "attention_mask": attention_mask(lengths, length),
+        }
+        if "loss_mask" in samples[0]:
+            batch["loss_mask"] = pad_stack([s["loss_mask"] for s in samples], False)
+            if self.mask_targets:
+                batch["target_ids"][~batch["loss_mask"]] = self.label_pad_id
+        if "position_ids" in samples[0]:
+            batch["position_ids"] = pad_stack([s["position_ids"] for s in samples], 0)
+        return batch
+
+
+class DPOPaddingCollator(BatchCollator):
+    """Right-pads chosen and rejected to one common length (the longest of both across the
+    group), so a model can run them as one [2B, L] batch; masks pad with False and each side
+    gets its `<side>_attention_mask`."""
+
+    def __init__(self, pad_id: int = 0):
+        self.pad_id = pad_id
+
+    def collate(self, samples: list[dict]) -> dict:
+        sides = ("chosen", "rejected")
+        _require(samples, [*sides, "chosen_mask", "rejected_mask"], "DPOPaddingCollator")
+        length = max(len(s[side]) for s in samples for side in sides)
+        batch = {}
+        for side in sides:
+            batch[side] = pad_stack([s[side] for s in samples], self.pad_id, length=length)
+            batch[f"{side}_mask"] = pad_stack(
+                [s[f"{side}_mask"] for s in samples], False, length=length
+            )
+            lengths = [len(s[side]) for s in samples]
+            batch[f"{side}_attention_mask"] = attention_mask(lengths, length)
+        return batch
+
+
+class GRPOPaddingCollator(BatchCollator):
+    """Prompts left-padded to [B, P] (generation continues from the right edge) with
+    `prompt_attention_mask`; responses and masks right-padded to [B, G, R] with
+    `response_attention_mask`; rewards [B, G]. Groups of unequal size are padded with empty
+    responses and reward 0, and `group_mask` [B, G] is True on the real ones."""
+
+    def __init__(self, pad_id: int = 0):
+        self.pad_id = pad_id
+
+    def collate(self, samples: list[dict]) -> dict:
+        _require(samples, ["prompts", "responses", "masks", "rewards"], "GRPOPaddingCollator")
+        prompt_lengths = [len(s["prompts"]) for s in samples]
+        prompts_len = max(prompt_lengths)
+        groups = max(len(s["responses"]) for s in samples)
+        resp_len = max((len(r) for s in samples for r in s["responses"]), default=0)
+        shape = (len(samples), groups, resp_len)
+        responses = torch.full(shape, self.pad_id, dtype=torch.long)
+        masks = torch.zeros(shape, dtype=torch.bool)
+        resp_attention = torch.zeros(shape, dtype=torch.bool)
+        rewards = torch.zeros((len(samples), groups), dtype=torch.float32)
+        group_mask = torch.zeros((len(samples), groups), dtype=torch.bool)
+        for b, s in enumerate(samples):
+            size = len(s["responses"])
+            for g, (resp, mask) in enumerate(zip(s["responses"], s["masks"], strict=True)):
+                responses[b, g, : len(resp)] = resp
+                masks[b, g, : len(mask)] = mask
+                resp_attention[b, g, : len(resp)] = True
+            rewards[b, :size] = torch.as_tensor(s["rewards"], dtype=torch.float32)
+            group_mask[b, :size] = True
+        return {
+            "prompts": pad_stack([s["prompts"] for s in samples], self.pad_id, left=True),
+            "prompt_attention_mask": attention_mask(prompt_lengths, prompts_len, left=True),
+            "responses": responses,
+            "masks": masks,
+            "response_attention_mask": resp_attention,
+            "rewards": rewards,
+            "group_mask": group_mask,
+        }
+
+
+class PackedCollator(BatchCollator):
+    """Concatenates a group's seq/sft samples into one row [1, T] for variable-length
+    attention: `cu_seqlens` (int32, document starts plus T) and `max_seqlen` as flash-attn
+    varlen kernels take them, `position_ids` restarting at 0 for every document, and
+    `num_tokens` (real tokens). A document ends at each sample's end and, when samples carry
+    `position_ids`, where those restart at 0 (packed shards). `pad_to=N` pads the row to N
+    tokens as one extra segment, for static shapes; efficiency is `num_tokens / N`."""
+
+    def __init__(self, pad_id: int = 0, label_pad_id: int = -100, pad_to: int | None = None):
+        if pad_to is not None and pad_to <= 0:
+            raise ValueError(f"pad_to must be positive, got {pad_to}")
+        self.pad_id = pad_id
+        self.label_pad_id = label_pad_id
+        self.pad_to = pad_to
+
+    def collate(self, samples: list[dict]) -> dict:
+        _require(samples, ["input_ids", "target_ids"], "PackedCollator")
+        starts: list[int] = []
+        offset = 0
+        for s in samples:
+            starts.append(offset)
+            if "position_ids" in s and len(s["position_ids"]):
+                restarts = torch.nonzero(s["position_ids"][1:] == 0).flatten() + 1
+                starts.extend((restarts + offset).tolist())
+            offset += len(s["input_ids"])
+        num_tokens = offset
+        if self.pad_to is not None and num_tokens > self.pad_to:
+            raise ValueError(
+                f"PackedCollator: group has {num_tokens} tokens, over pad_to={self.pad_to}; "
+                "batch with a token budget no larger than pad_to"
+            )
+        total = num_tokens if self.pad_to is None else self.pad_to
+        if total > num_tokens:
+            starts.append(num_tokens)
+        cu_seqlens = torch.tensor([*starts, total], dtype=torch.int32)
+        seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+        doc_of_token = torch.repeat_interleave(torch.arange(len(seqlens)), seqlens.long())
+        position_ids = torch.arange(total) - cu_seqlens[:-1].long()[doc_of_token]
+        pad = total - num_tokens
+        batch = {
+            "input_ids": self._cat(samples, "input_ids", self.pad_id, pad),
+            "target_ids": self._cat(samples, "target_ids", self.label_pad_id, pad),
+            "position_ids": position_ids.unsqueeze(0),
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": int(seqlens.max()) if len(seqlens) else 0,
+            "num_tokens": num_tokens,
+        }
+        if "loss_mask" in samples[0]:
+            batch["loss_mask"] = self._cat(samples, "loss_mask", False, pad)
+        return batch
+
+    @staticmethod
+    def _cat(samples: list[dict], key: str, value: Any, pad: int) -> torch.Tensor:
+        parts = [s[key] for s in samples]
+        parts.append(torch.full((pad,), value, dtype=parts[0].dtype))
+        return torch.cat(parts).unsqueeze(0)

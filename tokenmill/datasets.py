@@ -1,0 +1,304 @@
+"""Datasets: a loaded Store seen as numbered training items.
+
+Sits between the stores (`store.py`) and the sampler / dataflow roles. Stream
+types (`seq`, `sft`) cut the token stream into windows; record types (`dpo`,
+`grpo`) return one record each. `DatasetFactory` picks the store and the class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = [
+    "BaseDataset",
+    "SEQDataset",
+    "SFTDataset",
+    "DPODataset",
+    "GRPODataset",
+    "DatasetFactory",
+    "DATASETS",
+]
+
+
+class BaseDataset(Dataset):
+    """Checks that the store holds `keys` and gives `fingerprint` and `sample_length`."""
+
+    train_type: str = ""
+    keys: tuple[str, ...] = ()
+
+    def __init__(self, store: Any, max_len: int = 2048) -> None:
+        if max_len <= 0:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+        available = list(store.keys)
+        missing = [k for k in self.keys if k not in available]
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__} needs store keys {missing}, missing from the store; "
+                f"available keys: {sorted(available)}"
+            )
+        self.store = store
+        self.max_len = max_len
+        self._fingerprint: str | None = None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def sample_length(self, index: int) -> int:
+        """Tokens in item `index`, without reading them (packing batchers call this)."""
+        raise NotImplementedError
+
+    def _data_identity(self) -> str:
+        """What identifies the data when the store has no fingerprint of its own."""
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable id of (data, train type, cut parameters); resume state stores it."""
+        if self._fingerprint is None:
+            data = getattr(self.store, "fingerprint", None)
+            data = data() if callable(data) else data
+            data = data or self._data_identity()
+            params = f"{self.train_type}|{self._cut_params()}|{data}"
+            self._fingerprint = hashlib.sha256(params.encode()).hexdigest()[:16]
+        return self._fingerprint
+
+    def _cut_params(self) -> str:
+        return f"max_len={self.max_len}"
+
+    def _check_index(self, index: int) -> int:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {type(self).__name__} of {n} items")
+        return index + n if index < 0 else index
+
+
+# --- stream datasets: window i of the concatenated token stream --------------------------
+
+
+class _StreamDataset(BaseDataset):
+    """Window i is tokens [begin, end); one more token is read for the shifted target."""
+
+    def __len__(self) -> int:
+        return int(self.store.num_samples)
+
+    def sample_length(self, index: int) -> int:
+        begin, end = self.store.sample_window(self._check_index(index))
+        return int(end - begin)
+
+    def _window(self, index: int, keys: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
+        begin, end = self.store.sample_window(self._check_index(index))
+        return end - begin, self.store.fetch(begin, end + 1, keys)
+
+    def _cut_params(self) -> str:
+        window = getattr(self.store, "window_size", None)
+        stride = getattr(self.store, "stride", None)
+        return f"window={window},stride={stride},n={len(self)}"
+
+    def _data_identity(self) -> str:
+        return f"tokens={int(self.store.token_count)}"
+
+
+class SEQDataset(_StreamDataset):
+    """Pretraining: `input_ids` and `target_ids`, the same window shifted by one token."""
+
+    train_type = "seq"
+    keys = ("sequence",)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        _, data = self._window(index, ["sequence"])
+        tokens = data["sequence"].long()
+        return {"input_ids": tokens[:-1], "target_ids": tokens[1:]}
+
+
+class SFTDataset(_StreamDataset):
+    """SFT: adds `loss_mask` aligned with `target_ids` (True: that target trains) and
+    `position_ids` aligned with `input_ids`."""
+
+    train_type = "sft"
+    keys = ("sequence", "loss_mask", "position_ids")
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        _, data = self._window(index, list(self.keys))
+        tokens = data["sequence"].long()
+        return {
+            "input_ids": tokens[:-1],
+            "target_ids": tokens[1:],
+            "loss_mask": data["loss_mask"][1:].bool(),
+            "position_ids": data["position_ids"][:-1].long(),
+        }
+
+
+# --- record datasets: record i, read by offsets ------------------------------------------
+
+
+class _RecordDataset(BaseDataset):
+    """Record types: `len` is the record count; lengths come from offsets when the store has them."""
+
+    length_keys: tuple[str, ...] = ()
+
+    def __init__(self, store: Any, max_len: int = 2048) -> None:
+        super().__init__(store, max_len)
+        self._lengths: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return int(self.store.num_records)
+
+    def _record(self, index: int) -> dict[str, Any]:
+        return self.store.fetch_record(self._check_index(index), list(self.keys))
+
+    def _all_lengths(self) -> np.ndarray | None:
+        """Per-record token counts summed over `length_keys`, or None if the store cannot say."""
+        if self._lengths is None and hasattr(self.store, "record_lengths"):
+            lengths = [self._capped(np.asarray(self.store.record_lengths(k))) for k in self.length_keys]
+            self._lengths = np.sum(lengths, axis=0).astype(np.int64)
+        return self._lengths
+
+    def _capped(self, lengths: np.ndarray) -> np.ndarray:
+        return lengths
+
+    def sample_length(self, index: int) -> int:
+        index = self._check_index(index)
+        lengths = self._all_lengths()
+        if lengths is not None:
+            return int(lengths[index])
+        return self._measure(self[index])
+
+    def _measure(self, item: dict[str, Any]) -> int:
+        raise NotImplementedError
+
+    def _data_identity(self) -> str:
+        lengths = self._all_lengths()
+        if lengths is None:
+            return f"records={len(self)}"
+        return "lengths=" + hashlib.sha256(lengths.astype("<i8").tobytes()).hexdigest()
+
+
+class DPODataset(_RecordDataset):
+    """Preference pairs: `chosen`, `rejected` and their masks, each cut to `max_len` tokens
+    keeping the start (the prompt)."""
+
+    train_type = "dpo"
+    keys = ("chosen", "rejected", "chosen_mask", "rejected_mask")
+    length_keys = ("chosen", "rejected")
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        record = self._record(index)
+        item = {}
+        for key in self.keys:
+            value = torch.as_tensor(record[key])[: self.max_len]
+            item[key] = value.bool() if key.endswith("_mask") else value.long()
+        return item
+
+    def _capped(self, lengths: np.ndarray) -> np.ndarray:
+        return np.minimum(lengths, self.max_len)
+
+    def _measure(self, item: dict[str, Any]) -> int:
+        return len(item["chosen"]) + len(item["rejected"])
+
+
+class GRPODataset(_RecordDataset):
+    """GRPO groups: one prompt, a list of responses with their masks, and one reward per
+    response. Nothing is truncated: a group is scored as a whole."""
+
+    train_type = "grpo"
+    keys = ("prompts", "responses", "masks", "rewards")
+    length_keys = ("prompts", "responses")
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self._record(index)
+        responses = [torch.as_tensor(r).long() for r in record["responses"]]
+        masks = [torch.as_tensor(m).bool() for m in record["masks"]]
+        rewards = torch.as_tensor(record["rewards"]).to(torch.float32).reshape(-1)
+        if not len(responses) == len(masks) == len(rewards):
+            raise ValueError(
+                f"GRPO record {index}: {len(responses)} responses, {len(masks)} masks and "
+                f"{len(rewards)} rewards; they must match one to one"
+            )
+        prompt = torch.as_tensor(record["prompts"]).long().reshape(-1)
+        return {"prompts": prompt, "responses": responses, "masks": masks, "rewards": rewards}
+
+    def _cut_params(self) -> str:
+        return "untruncated"
+
+    def _measure(self, item: dict[str, Any]) -> int:
+        return len(item["prompts"]) + sum(len(r) for r in item["responses"])
+
+
+DATASETS: dict[str, type[BaseDataset]] = {
+    "seq": SEQDataset,
+    "sft": SFTDataset,
+    "dpo": DPODataset,
+    "grpo": GRPODataset,
+}
+
+
+def _dataset_class(train_type: str) -> type[BaseDataset]:
+    if train_type not in DATASETS:
+        raise ValueError(f"unknown train_type {train_type!r}; valid: {sorted(DATASETS)}")
+    return DATASETS[train_type]
+
+
+class DatasetFactory:
+    """Builds a dataset from a path (format detected, store loaded) or from a loaded store."""
+
+    @staticmethod
+    def create(train_type: str, store: Any, max_len: int = 2048) -> BaseDataset:
+        """Wrap an already-loaded store; its window and stride are used as they are."""
+        return _dataset_class(train_type)(store, max_len=max_len)
+
+    @staticmethod
+    def load(
+        train_type: str,
+        load_path: str | Path,
+        window_size: int,
+        stride: int | None = None,
+        storage_type: str | None = None,
+        tokenizer_path: str | Path | None = None,
+        max_len: int = 2048,
+        store: Any = None,
+    ) -> BaseDataset:
+        """Open `load_path` for `train_type`. Raw JSONL is tokenized eagerly for seq/sft and
+        lazily (per fetched record) for dpo/grpo when `tokenizer_path` is given. A given
+        `store` skips every path, format, tokenizer, window and stride step."""
+        cls = _dataset_class(train_type)
+        if store is None:
+            store = _load_store(train_type, load_path, window_size, stride, storage_type, tokenizer_path)
+        return cls(store, max_len=max_len)
+
+
+def _load_store(
+    train_type: str,
+    load_path: str | Path,
+    window_size: int,
+    stride: int | None,
+    storage_type: str | None,
+    tokenizer_path: str | Path | None,
+) -> Any:
+    from tokenmill.store import StoreFactory, detect_format
+
+    if storage_type is None:
+        storage_type = detect_format(load_path)
+    store = StoreFactory.create(storage_type, window_size=window_size, stride=stride)
+    if storage_type != "jsonl":
+        store.load(load_path)
+    elif train_type in ("dpo", "grpo") and tokenizer_path is not None:
+        store.load(load_path, processor=record_processor(train_type, tokenizer_path))
+    else:
+        store.load(load_path, tokenizer_path=tokenizer_path)
+    return store
+
+
+def record_processor(train_type: str, tokenizer_path: str | Path) -> Any:
+    """The lazy JSONL route: the built-in config for `train_type`, applied per record."""
+    from tokenmill.config import default_config
+    from tokenmill.masking import RecordMasker
+    from tokenmill.templates import load_tokenizer
+
+    masker = RecordMasker(default_config(train_type), load_tokenizer(tokenizer_path))
+    return masker.process

@@ -1,0 +1,177 @@
+"""Packing: place tokenized documents into rows of at most `max_len` tokens.
+
+Sits between masking.py (one record -> its arrays) and the shard writer: the
+pipeline plans rows from a pool's document lengths, applies the plan to every
+per-document key (`sequence`, `loss_mask`, ...) and adds `position_ids` per row.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+import numpy as np
+
+PACKING_STRATEGIES = ("simple", "bfd", "bfd_split")
+POSITION_IDS_MODES = ("none", "doc_reset", "continuous")
+
+Piece = tuple[int, int, int]
+"""(doc_index, start, end): the token range [start, end) of one document placed in a row."""
+
+
+def plan_packing(
+    lengths: Sequence[int] | np.ndarray, max_len: int, strategy: str
+) -> tuple[list[list[Piece]], int]:
+    """Plan rows for documents of `lengths`; return (rows, dropped_tokens).
+
+    - simple: documents in input order, a new row when the next one does not fit.
+    - bfd: best-fit decreasing over whole documents.
+    - bfd_split: bfd, but a document over `max_len` is cut into `max_len` pieces
+      (each its own row) plus a remainder packed by best fit; nothing is dropped.
+    simple and bfd keep the first `max_len` tokens of a longer document, alone in
+    its row, and count the rest as dropped. Zero-length documents get no piece and
+    no row: an empty row would be a record without tokens downstream.
+    """
+    if strategy not in PACKING_STRATEGIES:
+        raise ValueError(
+            f"unknown packing strategy {strategy!r}: expected one of [{', '.join(PACKING_STRATEGIES)}]"
+        )
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+        raise ValueError(f"max_len must be a positive integer, got {max_len!r}")
+    max_len = int(max_len)
+    sizes = _as_lengths(lengths)
+    if strategy == "bfd_split":
+        return _best_fit(_split_pieces(sizes, max_len), max_len), 0
+    dropped = sum(n - max_len for n in sizes if n > max_len)
+    pieces = [(i, 0, min(n, max_len)) for i, n in enumerate(sizes) if n > 0]
+    if strategy == "simple":
+        return _next_fit(pieces, max_len), dropped
+    return _best_fit(pieces, max_len), dropped
+
+
+def apply_packing(
+    docs: dict[str, list[np.ndarray]], rows: list[list[Piece]]
+) -> dict[str, list[np.ndarray]]:
+    """Concatenate each row's pieces for every key of `docs` (all keys aligned per document)."""
+    if not docs:
+        raise ValueError("docs has no keys: nothing to pack")
+    keys = list(docs)
+    num_docs = len(docs[keys[0]])
+    for key in keys[1:]:
+        if len(docs[key]) != num_docs:
+            raise ValueError(
+                f"docs[{key!r}] has {len(docs[key])} documents, docs[{keys[0]!r}] has {num_docs}"
+            )
+    doc_lengths = [len(arr) for arr in docs[keys[0]]]
+    for key in keys[1:]:
+        for i, arr in enumerate(docs[key]):
+            if len(arr) != doc_lengths[i]:
+                raise ValueError(
+                    f"document {i}: docs[{key!r}] has {len(arr)} tokens, "
+                    f"docs[{keys[0]!r}] has {doc_lengths[i]}; every key must be aligned"
+                )
+    for r, row in enumerate(rows):
+        if not row:
+            raise ValueError(f"row {r} is empty: every row needs at least one piece")
+        for doc, start, end in row:
+            if not 0 <= doc < num_docs or not 0 <= start < end <= doc_lengths[doc]:
+                raise ValueError(
+                    f"row {r}: piece {(doc, start, end)} is outside the documents "
+                    f"({num_docs} documents; a piece needs 0 <= start < end <= length)"
+                )
+    return {
+        key: [np.concatenate([docs[key][d][s:e] for d, s, e in row]) for row in rows]
+        for key in keys
+    }
+
+
+def position_ids(row: list[Piece], mode: str) -> np.ndarray | None:
+    """Position ids (int32) for one row; None for mode 'none'.
+
+    doc_reset: a piece [s, e) gets s..e-1, so each document counts from 0 and a
+    document split across rows continues where it stopped. continuous: 0..len-1.
+    """
+    if mode not in POSITION_IDS_MODES:
+        raise ValueError(
+            f"unknown position_ids mode {mode!r}: expected one of [{', '.join(POSITION_IDS_MODES)}]"
+        )
+    if mode == "none":
+        return None
+    if mode == "continuous":
+        return np.arange(sum(e - s for _, s, e in row), dtype=np.int32)
+    if not row:
+        return np.zeros(0, dtype=np.int32)
+    return np.concatenate([np.arange(s, e, dtype=np.int32) for _, s, e in row])
+
+
+def _as_lengths(lengths: Sequence[int] | np.ndarray) -> list[int]:
+    """Validate lengths as a flat list of non-negative integers."""
+    arr = np.asarray(lengths)
+    if arr.size == 0:
+        return []
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(
+            f"lengths must be a flat sequence of integers, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.min() < 0:
+        first = int(np.argmax(arr < 0))
+        raise ValueError(f"lengths[{first}] is {int(arr[first])}: lengths must be >= 0")
+    return arr.tolist()
+
+
+def _split_pieces(sizes: list[int], max_len: int) -> list[Piece]:
+    """Cut every document into max_len-sized pieces plus its remainder, in input order."""
+    pieces: list[Piece] = []
+    for i, n in enumerate(sizes):
+        if n > max_len:
+            pieces.extend((i, s, min(s + max_len, n)) for s in range(0, n, max_len))
+        elif n > 0:
+            pieces.append((i, 0, n))
+    return pieces
+
+
+def _next_fit(pieces: list[Piece], max_len: int) -> list[list[Piece]]:
+    """Order-preserving greedy: append to the current row, open a new one when full."""
+    rows: list[list[Piece]] = []
+    used = max_len  # forces a first row
+    for piece in pieces:
+        size = piece[2] - piece[1]
+        if used + size > max_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(piece)
+        used += size
+    return rows
+
+
+def _best_fit(pieces: list[Piece], max_len: int) -> list[list[Piece]]:
+    """Best-fit decreasing in O(n log n): each piece, longest first (ties by input
+    order), goes to the open row with the least room that fits it (ties: the
+    earliest row), else to a new row.
+
+    Sizes only shrink, so a row that fits the current piece fits every later one:
+    such rows wait in `fits` (min-heap on room); the others wait in `short`
+    (max-heap on room) and move to `fits` once the pieces get small enough. The
+    top of `fits` is then the best fit, and each row moves at most once per piece.
+    """
+    order = sorted(pieces, key=lambda p: p[1] - p[2])  # stable: ties keep input order
+    rows: list[list[Piece]] = []
+    fits: list[tuple[int, int]] = []  # (room, row_id), room >= current size
+    short: list[tuple[int, int]] = []  # (-room, row_id), 0 < room < current size
+    for piece in order:
+        size = piece[2] - piece[1]
+        while short and -short[0][0] >= size:
+            neg_room, row_id = heapq.heappop(short)
+            heapq.heappush(fits, (-neg_room, row_id))
+        if fits:
+            room, row_id = heapq.heappop(fits)
+        else:
+            room, row_id = max_len, len(rows)
+            rows.append([])
+        rows[row_id].append(piece)
+        room -= size
+        if room >= size:
+            heapq.heappush(fits, (room, row_id))
+        elif room > 0:
+            heapq.heappush(short, (-room, row_id))
+    return rows

@@ -1,0 +1,247 @@
+"""Pipeline: input files -> masked, packed records -> shards + manifest, on all local cores.
+
+The orchestration stage. Records are cut into fixed chunks of `batch_size` in
+input order (file, then line); workers process chunks, and the writer consumes
+results strictly in chunk order, so the bytes written do not depend on the
+number of workers. Under `on_error="raise"` a bad record stops the run and the
+shards it published are removed: no manifest, nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from tokenmill import __version__
+from tokenmill.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, setup_worker
+from tokenmill.config import PipelineConfig
+from tokenmill.masking import FILTER_REASONS, RecordMasker
+from tokenmill.records import RecordError, list_inputs
+from tokenmill.runlog import Journal, Summary, row_tokens, row_trained
+from tokenmill.shards import ShardWriter, read_manifest, write_manifest
+from tokenmill.templates import load_tokenizer
+
+ON_ERROR = ("raise", "skip")
+ENGINES = ("local", "ray")
+
+
+class Pipeline:
+    """Preprocess `inputs` into `output_dir` as `config` says."""
+
+    def __init__(
+        self,
+        config: PipelineConfig | str | Path,
+        inputs: Sequence[str | Path] | str | Path,
+        output_dir: str | Path,
+        tokenizer_path: str | Path,
+        workers: int | None = None,
+        on_error: str = "raise",
+        engine: str = "local",
+        overwrite: bool = False,
+        progress: bool | None = None,
+        ray_address: str | None = None,
+    ):
+        if not isinstance(config, PipelineConfig):
+            config = PipelineConfig.from_file(config)
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
+        self.config = config
+        self.inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+        self.output_dir = Path(output_dir)
+        self.tokenizer_path = str(tokenizer_path)
+        self.workers = workers if workers is not None else (os.cpu_count() or 1)
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        self.on_error = on_error
+        self.engine = engine
+        self.overwrite = overwrite
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.ray_address = ray_address
+
+    # --- the run ---------------------------------------------------------------------------
+    def run(self) -> Summary:
+        start = time.perf_counter()
+        files = list_inputs(self.inputs)
+        bundle = load_tokenizer(self.tokenizer_path)
+        masker = RecordMasker(self.config, bundle)  # validates that the tokenizer suits the config
+        run_id = self._run_id(bundle.fingerprint, files)
+        done = self._prepare_output(run_id)
+        if done is not None:
+            return done
+        journal = Journal(self.output_dir, run_id)
+        state = journal.resume(self.output_dir, masker.primary_key())
+        summary, rejects = state.summary, state.rejects
+        writers = {d: self._writer(d, masker, len(infos)) for d, infos in state.published.items()}
+        for d, infos in state.published.items():
+            writers[d].published = list(infos)  # shards reused from the interrupted run
+        bar = _progress_bar(self.progress)
+        try:
+            for result in self._results(files, state.chunks_done):
+                self._consume(result, masker, writers, summary, rejects, bar, state.skip_rows, journal)
+            domains = {d: w.close() for d, w in writers.items()}
+        except BaseException as err:
+            for w in writers.values():
+                w.abort()
+            if isinstance(err, RecordError):  # bad input: remove everything, nothing looks complete
+                self._remove_published(writers)
+                journal.remove()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        summary.shards = sum(len(infos) for infos in domains.values())
+        summary.seconds = time.perf_counter() - start
+        if rejects:
+            _write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
+        write_manifest(self.output_dir, self._manifest(bundle.fingerprint, masker, domains, summary, files))
+        journal.remove()
+        return summary
+
+    def _results(self, files: list[Path], chunks_done: int) -> Iterator[ChunkResult]:
+        chunks = (c for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
+                  if c.index >= chunks_done)
+        args = (self.config.model_dump(mode="json"), self.tokenizer_path)
+        if self.engine == "ray":
+            from tokenmill.ray_engine import ray_results
+
+            yield from ray_results(chunks, args, self.workers, self.ray_address)
+            return
+        if self.workers == 1:
+            setup_worker(*args)
+            for chunk in chunks:
+                yield process_chunk(chunk)
+            return
+        ctx = get_context("spawn")
+        with ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=setup_worker, initargs=args) as pool:
+            pending: deque[Future[ChunkResult]] = deque()
+            for chunk in chunks:
+                pending.append(pool.submit(process_chunk, chunk))
+                if len(pending) >= 2 * self.workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+
+    def _consume(self, result: ChunkResult, masker: RecordMasker, writers: dict[str, ShardWriter],
+                 summary: Summary, rejects: list[bytes], bar: Any, skip_rows: dict[str, int],
+                 journal: Journal) -> None:
+        """Counts a chunk, journals it, then hands its rows to the writers (minus rows already on disk)."""
+        errors = []
+        for err in result.errors:
+            if self.on_error == "raise" and err.reason not in FILTER_REASONS:
+                raise err
+            errors.append({"source": err.source, "line": err.line, "field": err.field,
+                           "reason": err.reason, "message": err.message, "text": str(err)})
+        primary = masker.primary_key()
+        mask_keys = [k for k, t in masker.dtypes().items() if t == "bool"]
+        counts = {"records_read": result.records_read, "records_written": result.records_written,
+                  "rows": len(result.rows), "dropped_tokens": result.dropped_tokens,
+                  "tokens": sum(row_tokens(row[primary]) for _, row in result.rows),
+                  "trained_tokens": sum(row_trained(row, mask_keys, primary) for _, row in result.rows)}
+        rows_per_domain: dict[str, int] = {}
+        for domain, _ in result.rows:
+            rows_per_domain[domain] = rows_per_domain.get(domain, 0) + 1
+        journal.append(result.index, rows_per_domain, counts, errors)
+        for err_line in errors:
+            summary.count_error(err_line["reason"], err_line["text"])
+            rejects.append(orjson.dumps({k: err_line[k] for k in ("source", "line", "field", "reason", "message")}) + b"\n")
+        for name in ("records_read", "records_written", "rows", "dropped_tokens", "tokens", "trained_tokens"):
+            setattr(summary, name, getattr(summary, name) + counts[name])
+        for domain, row in result.rows:
+            if skip_rows.get(domain, 0) > 0:
+                skip_rows[domain] -= 1  # already in a published shard from the interrupted run
+                continue
+            if domain not in writers:
+                writers[domain] = self._writer(domain, masker, 0)
+            writers[domain].add(row)
+        if bar is not None:
+            bar.update(result.records_read)
+            bar.set_postfix_str(f"{summary.tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s")
+
+    def _writer(self, domain: str, masker: RecordMasker, first_index: int) -> ShardWriter:
+        domain_dir = self.output_dir / domain if domain else self.output_dir
+        return ShardWriter(domain_dir, masker.dtypes(), masker.primary_key(),
+                           self.config.output.max_tokens_per_shard, self.config.output.storage_format,
+                           first_index=first_index)
+
+    # --- output folder -----------------------------------------------------------------------
+    def _run_id(self, tokenizer_fp: str, files: list[Path]) -> str:
+        inputs = [(str(f), f.stat().st_size) for f in files]
+        return _sha256(orjson.dumps([self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]).decode())
+
+    def _prepare_output(self, run_id: str) -> Summary | None:
+        """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""
+        out = self.output_dir
+        if self.overwrite and out.exists():
+            shutil.rmtree(out)
+        if not out.exists() or not any(out.iterdir()):
+            out.mkdir(parents=True, exist_ok=True)
+            return None
+        manifest = read_manifest(out)
+        if manifest is not None and manifest.get("run_id") == run_id:
+            return Summary(**manifest["summary"])  # the same job already finished: nothing to do
+        if manifest is None and Journal.run_id_of(out) == run_id:
+            return None  # an interrupted run of this same job: resume it
+        raise FileExistsError(f"{out} holds other data; pass overwrite=True (--overwrite) to replace it")
+
+    def _remove_published(self, writers: dict[str, ShardWriter]) -> None:
+        for domain in writers:
+            domain_dir = self.output_dir / domain if domain else self.output_dir
+            for shard in domain_dir.glob("shard_*"):
+                shutil.rmtree(shard, ignore_errors=True)
+            for part in domain_dir.glob("part_*.jsonl"):
+                part.unlink(missing_ok=True)
+
+    def _manifest(self, tokenizer_fp: str, masker: RecordMasker, domains: dict[str, list[dict]],
+                  summary: Summary, files: list[Path]) -> dict:
+        config_fp = self.config.fingerprint()
+        return {
+            "format_version": 1,
+            "tool": f"tokenmill {__version__}",
+            "fingerprint": _sha256(f"{tokenizer_fp}:{config_fp}"),
+            "tokenizer_fingerprint": tokenizer_fp,
+            "config_fingerprint": config_fp,
+            "tokenizer_path": self.tokenizer_path,
+            "run_id": self._run_id(tokenizer_fp, files),
+            "config": self.config.model_dump(mode="json"),
+            "keys": masker.dtypes(),
+            "primary_key": masker.primary_key(),
+            "storage_format": self.config.output.storage_format,
+            "inputs": [str(f) for f in files],
+            "domains": domains,
+            "summary": summary.as_dict(),
+        }
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _progress_bar(enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(unit="rec", unit_scale=True, desc="preprocess", file=sys.stderr)
+
+
+__all__ = ["Pipeline", "Summary", "Chunk"]

@@ -1,0 +1,390 @@
+"""Records: the first stage of the flow, raw files -> `Record`s that remember their origin.
+
+Reads .jsonl / .json (one object or a list) and their .gz / .zst forms, and .parquet, all
+streamed. Every bad line becomes a `RecordError` naming file, line and field; the caller either
+lets it raise or collects it with `on_error` and goes on with the next line.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import io
+import zlib
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
+
+# Every slug a RecordError may carry; skip counts are keyed by these.
+REASONS = (
+    "bad_json", "bad_utf8", "not_object", "missing_field", "wrong_type", "empty", "unknown_role",
+    "no_trained_tokens", "bad_value", "template_error", "too_short", "too_long",
+    "truncated_file", "corrupt_file",
+)  # fmt: skip
+
+_PARQUET_BATCH_ROWS = 1024
+_CHUNK = 1 << 20
+_STREAM_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError, pa.ArrowException)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One raw JSON object and where it came from (1-based line, or position in a list/Parquet)."""
+
+    source: str
+    line: int
+    data: dict
+
+
+class RecordError(ValueError):
+    """Bad input at `source:line`; `reason` is the slug skip counts are grouped by."""
+
+    def __init__(self, source: str, line: int, field: str | None, message: str, reason: str):
+        if reason not in REASONS:
+            raise ValueError(f"unknown RecordError reason {reason!r}; expected one of {REASONS}")
+        where = f"{source}:{line}: " + (f"{field}: " if field is not None else "")
+        super().__init__(where + message)
+        self.source, self.line, self.field = source, line, field
+        self.message, self.reason = message, reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross process boundaries in the pipeline; rebuild from the fields, not str(self).
+        return (type(self), (self.source, self.line, self.field, self.message, self.reason))
+
+
+OnError = Callable[[RecordError], None] | None
+
+
+def list_inputs(paths: Sequence[str | Path]) -> list[Path]:
+    """Input files in order: files as given, folders expanded recursively and sorted.
+
+    Inside folders, names starting with "." or "_" are skipped (as pyarrow datasets do:
+    `_SUCCESS`, `.DS_Store`); any other file must have a supported suffix.
+    """
+    found: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            files = [
+                p
+                for p in path.rglob("*")
+                if p.is_file() and not any(part[0] in "._" for part in p.relative_to(path).parts)
+            ]
+            if not files:
+                raise ValueError(f"folder {path} holds no input files ({_supported()})")
+            files.sort(key=lambda p: p.relative_to(path).parts)
+        elif path.is_file():
+            files = [path]
+        else:
+            raise FileNotFoundError(f"input not found: {path}")
+        for file in files:
+            _suffix(file)
+        found.extend(files)
+    if not found:
+        raise ValueError(f"no input files given ({_supported()})")
+    seen: set[Path] = set()
+    for file in found:
+        if file.resolve() in seen:
+            raise ValueError(f"input {file} is listed twice; each file must be read once")
+        seen.add(file.resolve())
+    return found
+
+
+def read_records(path: Path, on_error: OnError = None) -> Iterator[Record]:
+    """Stream the records of one file. Bad input raises, or goes to `on_error` and reading goes on.
+
+    A truncated or undecodable file is reported once and ends that file.
+    """
+    path = Path(path)
+    suffix = _suffix(path)
+    if suffix == ".parquet":
+        yield from _read_parquet(path, on_error)
+    elif suffix.startswith(".jsonl"):
+        yield from _read_jsonl(path, on_error)
+    else:
+        yield from _read_json(path, on_error)
+
+
+def get_field(record: Record, path: str) -> Any:
+    """Value at `path` ("text" or dotted "meta.lang"); missing and null are both missing_field."""
+    value: Any = record.data
+    walked: list[str] = []
+    for key in path.split("."):
+        if not isinstance(value, dict):
+            where = ".".join(walked)
+            raise RecordError(
+                record.source, record.line, where,
+                f"expected an object, got {_type_name(value)}", "wrong_type",
+            )  # fmt: skip
+        walked.append(key)
+        if key not in value:
+            keys = ", ".join(list(value)[:10]) + (", ..." if len(value) > 10 else "")
+            raise RecordError(
+                record.source, record.line, ".".join(walked),
+                f"missing field (record has: {keys or 'no fields'})", "missing_field",
+            )  # fmt: skip
+        value = value[key]
+        if value is None:
+            raise RecordError(record.source, record.line, ".".join(walked), "is null", "missing_field")
+    return value
+
+
+def check_messages(
+    record: Record, field: str, value: Any, roles: Collection[str] | None
+) -> list[dict]:
+    """A chat: a non-empty list of objects with string "role" and "content" (roles None: any role).
+
+    Messages are indexed from 0 in errors (`messages[3].role`); other keys are kept.
+    """
+    if not isinstance(value, list):
+        raise RecordError(
+            record.source, record.line, field,
+            f"expected a list of messages, got {_type_name(value)}", "wrong_type",
+        )  # fmt: skip
+    if not value:
+        raise RecordError(record.source, record.line, field, "empty conversation", "empty")
+    for i, message in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(message, dict):
+            raise RecordError(
+                record.source, record.line, where,
+                f"expected a message object, got {_type_name(message)}", "wrong_type",
+            )  # fmt: skip
+        role = _message_string(record, where, message, "role")
+        _message_string(record, where, message, "content")
+        if roles is not None and role not in roles:
+            raise RecordError(
+                record.source, record.line, f"{where}.role",
+                f"expected one of [{', '.join(sorted(roles))}], got {_show(role)}", "unknown_role",
+            )  # fmt: skip
+    return list(value)
+
+
+def _message_string(record: Record, where: str, message: dict, key: str) -> str:
+    field = f"{where}.{key}"
+    if key not in message:
+        raise RecordError(record.source, record.line, field, "missing field", "missing_field")
+    value = message[key]
+    if value is None:
+        raise RecordError(record.source, record.line, field, "is null", "missing_field")
+    if not isinstance(value, str):
+        raise RecordError(
+            record.source, record.line, field,
+            f"expected a string, got {_type_name(value)} {_show(value)}", "wrong_type",
+        )  # fmt: skip
+    return value
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path, on_error: OnError) -> Iterator[Record]:
+    source = str(path)
+    with _open_bytes(path) as stream:
+        for line, raw in _numbered_lines(stream, path, on_error):
+            if line == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
+                continue
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                err = _json_error(source, line, raw, exc, last_line=not raw.endswith(b"\n"))
+                _report(err, on_error)
+                continue
+            if not isinstance(data, dict):
+                message = f"expected a JSON object, got {_type_name(data)}"
+                _report(RecordError(source, line, None, message, "not_object"), on_error)
+                continue
+            yield Record(source, line, data)
+
+
+def _numbered_lines(stream: IO[bytes], path: Path, on_error: OnError) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) pairs; a stream that breaks is reported once and ends the file."""
+    line = 0
+    try:
+        for raw in stream:
+            line += 1
+            yield line, raw
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, line, exc), on_error)
+
+
+def _read_json(path: Path, on_error: OnError) -> Iterator[Record]:
+    """A .json file is one document: an object, or a list of objects (line = 1-based position)."""
+    source = str(path)
+    try:
+        with _open_bytes(path) as stream:
+            raw = stream.read()
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, 0, exc), on_error)
+        return
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+    if not raw.strip(b" \t\r\n"):
+        return
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        _report(_json_error(source, None, raw, exc, last_line=False), on_error)
+        return
+    if isinstance(data, dict):
+        yield Record(source, 1, data)
+    elif isinstance(data, list):
+        for position, item in enumerate(data, start=1):
+            if isinstance(item, dict):
+                yield Record(source, position, item)
+            else:
+                message = f"list element: expected a JSON object, got {_type_name(item)}"
+                _report(RecordError(source, position, None, message, "not_object"), on_error)
+    else:
+        message = f"expected a JSON object or a list of objects, got {_type_name(data)}"
+        _report(RecordError(source, 1, None, message, "not_object"), on_error)
+
+
+def _read_parquet(path: Path, on_error: OnError) -> Iterator[Record]:
+    """Rows of a Parquet file, one record batch at a time (line = 1-based row)."""
+    source = str(path)
+    row = 0
+    try:
+        with pq.ParquetFile(path) as parquet:
+            for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+                for data in batch.to_pylist():
+                    row += 1
+                    yield Record(source, row, data)
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, row, exc), on_error)
+
+
+class _ZstdRaw(io.RawIOBase):
+    """Decompressed bytes of a .zst file, frame after frame; raises EOFError if the last frame
+    is cut short (zstandard's stream_reader returns a silent short read there)."""
+
+    def __init__(self, file: IO[bytes]):
+        self._file = file
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame: Any = None
+        self._unused = b""
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._out:
+            data = self._unused or self._file.read(_CHUNK)
+            self._unused = b""
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            if self._frame is None or self._frame.eof:
+                self._frame = self._dctx.decompressobj()
+            self._out = memoryview(self._frame.decompress(data))
+            if self._frame.eof:
+                self._unused = self._frame.unused_data
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+
+@contextmanager
+def _open_bytes(path: Path) -> Iterator[IO[bytes]]:
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        with gzip.open(path, "rb") as stream:
+            yield stream  # type: ignore[misc]
+    elif name.endswith(".zst"):
+        with open(path, "rb") as file, io.BufferedReader(_ZstdRaw(file), _CHUNK) as stream:
+            yield stream
+    else:
+        with open(path, "rb") as stream:
+            yield stream
+
+
+# ---- error messages ----------------------------------------------------------------------
+
+
+def _report(err: RecordError, on_error: OnError) -> None:
+    if on_error is None:
+        raise err
+    on_error(err)
+
+
+def _stream_error(path: Path, lines_done: int, exc: BaseException) -> RecordError:
+    after = f"after line {lines_done}" if lines_done else "before the first line"
+    if isinstance(exc, EOFError):
+        message = f"file ends early, {after} (truncated {path.suffix} stream: {exc})"
+        return RecordError(str(path), lines_done + 1, None, message, "truncated_file")
+    message = f"cannot read the file {after}: {exc}"
+    return RecordError(str(path), lines_done + 1, None, message, "corrupt_file")
+
+
+def _json_error(
+    source: str, line: int | None, raw: bytes, exc: orjson.JSONDecodeError, last_line: bool
+) -> RecordError:
+    """One orjson failure as a RecordError; `line` None means a whole .json document."""
+    msg, reason = exc.msg, "bad_json"
+    at_line, column = exc.lineno, exc.colno
+    following = exc.doc[exc.pos : exc.pos + 9] if isinstance(exc.doc, str) else ""
+    if "UTF-8" in msg and "BOM" not in msg:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            at_line = raw.count(b"\n", 0, bad.start) + 1
+            column = bad.start - raw.rfind(b"\n", 0, bad.start)
+            detail = f"invalid UTF-8 byte 0x{raw[bad.start]:02x}"
+        else:  # pragma: no cover - orjson and Python agree on UTF-8
+            detail = msg
+        msg, reason = f"{detail} (the file is not UTF-8 text)", "bad_utf8"
+    elif "surrogate" in msg:
+        msg = f"{msg}: a lone \\ud800-\\udfff escape cannot be encoded as UTF-8"
+        reason = "bad_utf8"
+    elif following.startswith(("NaN", "Infinity")):
+        word = "NaN" if following.startswith("NaN") else "Infinity"
+        msg = f"{word} is not valid JSON (write null or a finite number)"
+    elif "infinity" in msg:
+        msg = "number out of range: it overflows a double to infinity"
+    elif "depth limit" in msg:
+        msg = "nested deeper than the 1024 levels orjson accepts"
+    text = f"invalid JSON at column {column}: {msg}"
+    if last_line:
+        text = f"truncated last line (no newline at end of file): {text}"
+    return RecordError(source, line if line is not None else at_line, None, text, reason)
+
+
+def _suffix(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in INPUT_SUFFIXES:
+        if name.endswith(suffix):
+            return suffix
+    raise ValueError(f"{path}: unsupported input file ({_supported()})")
+
+
+def _supported() -> str:
+    return "supported suffixes: " + ", ".join(INPUT_SUFFIXES)
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
+    return "object" if isinstance(value, dict) else names.get(type(value), type(value).__name__)
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    try:
+        text = orjson.dumps(value).decode()
+    except TypeError:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

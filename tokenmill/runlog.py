@@ -1,0 +1,196 @@
+"""What a preprocessing run did (Summary) and how to pick it up after a crash (Journal).
+
+Beside pipeline.py: the pipeline appends one journal line per chunk it consumes,
+before any of that chunk's rows can reach a shard. After a crash, the published
+shards plus the journal say which chunks are fully on disk (skipped on resume,
+their counts restored) and how many rows of the next chunk to skip, so a resumed
+run reuses complete shards and ends byte-identical to a clean run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from tokenmill.shards import find_shards, read_meta, shard_records
+
+FIRST_ERRORS_PER_REASON = 5
+STATE_DIR = ".tokenmill-run"
+
+
+@dataclass
+class Summary:
+    """Counts of one run; printed by the CLI and stored in the manifest."""
+
+    records_read: int = 0
+    records_written: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    first_errors: dict[str, list[str]] = field(default_factory=dict)
+    rows: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    dropped_tokens: int = 0
+    shards: int = 0
+    seconds: float = 0.0
+
+    def count_error(self, reason: str, text: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        first = self.first_errors.setdefault(reason, [])
+        if len(first) < FIRST_ERRORS_PER_REASON:
+            first.append(text)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def format(self) -> str:
+        rate = self.tokens / self.seconds if self.seconds else 0.0
+        skipped = sum(self.skipped.values())
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items()))
+        share = f"  ({self.trained_tokens / self.tokens:.1%})" if self.tokens else ""
+        lines = [
+            f"records read     {self.records_read:>12,}",
+            f"records written  {self.records_written:>12,}",
+            f"records skipped  {skipped:>12,}" + (f"  ({reasons})" if reasons else ""),
+            f"rows             {self.rows:>12,}",
+            f"tokens           {self.tokens:>12,}",
+            f"trained tokens   {self.trained_tokens:>12,}{share}",
+            f"dropped tokens   {self.dropped_tokens:>12,}",
+            f"shards           {self.shards:>12,}",
+            f"seconds          {self.seconds:>12.2f}  ({rate:,.0f} tokens/s)",
+        ]
+        for reason, msgs in sorted(self.first_errors.items()):
+            lines += [f"  {reason}: {m}" for m in msgs]
+        return "\n".join(lines)
+
+
+def row_tokens(value: Any) -> int:
+    return sum(len(v) for v in value) if isinstance(value, list) else len(value)
+
+
+def row_trained(row: dict, mask_keys: list[str], primary: str) -> int:
+    if not mask_keys:
+        return row_tokens(row[primary])
+    total = 0
+    for key in mask_keys:
+        v = row[key]
+        total += sum(int(np.count_nonzero(m)) for m in v) if isinstance(v, list) else int(np.count_nonzero(v))
+    return total
+
+
+@dataclass
+class ResumeState:
+    chunks_done: int = 0
+    summary: Summary = field(default_factory=Summary)
+    rejects: list[bytes] = field(default_factory=list)
+    published: dict[str, list[dict]] = field(default_factory=dict)
+    skip_rows: dict[str, int] = field(default_factory=dict)
+
+
+class Journal:
+    """Append-only log of consumed chunks in OUT/.tokenmill-run/, removed when the manifest lands."""
+
+    def __init__(self, output_dir: Path, run_id: str):
+        self.dir = Path(output_dir) / STATE_DIR
+        self.path = self.dir / "journal.jsonl"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        id_file = self.dir / "run_id"
+        if not id_file.exists():
+            id_file.write_text(run_id)
+        self._file = open(self.path, "ab")
+
+    @staticmethod
+    def run_id_of(output_dir: Path) -> str | None:
+        path = Path(output_dir) / STATE_DIR / "run_id"
+        return path.read_text() if path.exists() else None
+
+    def append(self, chunk: int, rows: dict[str, int], counts: dict[str, int], errors: list[dict]) -> None:
+        line = {"chunk": chunk, "rows": rows, "counts": counts, "errors": errors}
+        self._file.write(orjson.dumps(line) + b"\n")
+        self._file.flush()
+
+    def remove(self) -> None:
+        self._file.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def resume(self, output_dir: Path, primary: str) -> ResumeState:
+        """State to continue from: chunks fully on disk, their counts, rows of the next chunk to skip."""
+        entries = self._entries()
+        state = ResumeState()
+        if not entries:
+            return state
+        domains = {d for e in entries for d in e["rows"]}
+        on_disk = {d: published_shards(Path(output_dir) / d if d else Path(output_dir), primary) for d in domains}
+        published = {d: sum(info["records"] for info in infos) for d, infos in on_disk.items()}
+        cum = dict.fromkeys(domains, 0)
+        done = 0
+        for entry in entries:
+            after = {d: cum[d] + entry["rows"].get(d, 0) for d in domains}
+            if any(after[d] > published[d] for d in domains):
+                break
+            cum = after
+            done += 1
+            _replay(state, entry)
+        state.chunks_done = done
+        state.published = {d: infos for d, infos in on_disk.items() if infos}
+        state.skip_rows = {d: published[d] - cum[d] for d in domains if published[d] > cum[d]}
+        total = {d: sum(e["rows"].get(d, 0) for e in entries) for d in domains}
+        if any(published[d] > total[d] for d in domains):
+            raise ValueError(f"{output_dir}: shards hold more rows than the run journal knows; "
+                             "cannot resume, pass --overwrite to start again")
+        # keep only the journal lines of chunks that will not be processed again
+        self._file.close()
+        self.path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in entries[:done]))
+        self._file = open(self.path, "ab")
+        return state
+
+    def _entries(self) -> list[dict]:
+        entries = []
+        for raw in self.path.read_bytes().splitlines():
+            try:
+                entries.append(orjson.loads(raw))
+            except orjson.JSONDecodeError:
+                break  # a line torn by the crash: that chunk is simply processed again
+        return [e for i, e in enumerate(entries) if e["chunk"] == i]
+
+
+def _replay(state: ResumeState, entry: dict) -> None:
+    s, c = state.summary, entry["counts"]
+    s.records_read += c["records_read"]
+    s.records_written += c["records_written"]
+    s.rows += c["rows"]
+    s.tokens += c["tokens"]
+    s.trained_tokens += c["trained_tokens"]
+    s.dropped_tokens += c["dropped_tokens"]
+    for err in entry["errors"]:
+        s.count_error(err["reason"], err["text"])
+        state.rejects.append(orjson.dumps({k: err[k] for k in ("source", "line", "field", "reason", "message")}) + b"\n")
+
+
+def published_shards(domain_dir: Path, primary: str) -> list[dict]:
+    """Infos of the shards (or JSONL parts) already published in one domain folder; temp leftovers removed."""
+    if not domain_dir.is_dir():
+        return []
+    for tmp in domain_dir.glob("*.tmp-*"):
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+    infos = []
+    for shard in find_shards(domain_dir):
+        if shard.parent != domain_dir:
+            continue
+        meta = read_meta(shard)
+        infos.append({"name": shard.name, "records": shard_records(meta),
+                      "tokens": meta[primary]["shape"][0], "keys": list(meta)})
+    for part in sorted(domain_dir.glob("part_*.jsonl")):
+        import xxhash
+
+        data = part.read_bytes()
+        lines = data.splitlines()
+        tokens = sum(row_tokens(orjson.loads(line)[primary]) for line in lines)
+        infos.append({"name": part.name, "records": len(lines), "tokens": tokens,
+                      "keys": list(orjson.loads(lines[0])) if lines else [],
+                      "nbytes": len(data), "xxh64": xxhash.xxh64(data).hexdigest()})
+    return infos

@@ -1,0 +1,363 @@
+"""Chat templates: a local Hugging Face tokenizer folder -> exact ids and loss masks.
+
+masking.py calls `render_conversation` for each chat section of a record and
+`encode_text` for plain text; the run's fingerprint includes
+`TokenizerBundle.fingerprint`. Rendering follows transformers' `apply_chat_template`
+(same sandbox, helpers and variables) without importing transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import numpy as np
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# The named special tokens a template can read, as transformers passes them.
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# Names a message's reasoning arrives under; templates read the first (or `thinking`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Stands in for an empty content so its place in the rendering can be found.
+_EMPTY_MARK = "\ue000{}\ue001"
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    """A loaded tokenizer folder: the tokenizer, its chat template and special tokens."""
+
+    tokenizer: tokenizers.Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    bos_id: int | None
+    eos_token: str | None
+    eos_id: int | None
+    pad_id: int | None
+    fingerprint: str
+    path: str
+    # (name, text) of every named special token the config sets; the template sees these.
+    special_tokens: tuple[tuple[str, str], ...] = ()
+
+
+def load_tokenizer(path: str | Path) -> TokenizerBundle:
+    """Load `tokenizer.json` + `tokenizer_config.json` from a folder, once per process."""
+    return _load_folder(str(Path(path).resolve()))
+
+
+@lru_cache(maxsize=None)
+def _load_folder(folder: str) -> TokenizerBundle:
+    tokenizer_file = Path(folder) / "tokenizer.json"
+    config_file = Path(folder) / "tokenizer_config.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{tokenizer_file}: not found (expected a Hugging Face tokenizer)")
+    raw = tokenizer_file.read_bytes()
+    try:
+        tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises a bare Exception on bad files
+        raise ValueError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+    config: dict[str, Any] = {}
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_file}: invalid JSON: {exc}") from exc
+    special = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        text = _token_text(config.get(name), config_file, name)
+        if text is not None:
+            special[name] = text
+    template = _chat_template(config, config_file)
+    ids = {name: _token_id(tokenizer, text, config_file, name) for name, text in special.items()}
+    digest = hashlib.sha256(raw)
+    digest.update((template or "").encode("utf-8"))
+    return TokenizerBundle(
+        tokenizer=tokenizer,
+        chat_template=template,
+        bos_token=special.get("bos_token"),
+        bos_id=ids.get("bos_token"),
+        eos_token=special.get("eos_token"),
+        eos_id=ids.get("eos_token"),
+        pad_id=ids.get("pad_token"),
+        fingerprint=digest.hexdigest(),
+        path=folder,
+        special_tokens=tuple(special.items()),
+    )
+
+
+def _token_text(value: Any, config_file: Path, name: str) -> str | None:
+    """A special token is null, a string, or an AddedToken dict with its text in `content`."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"{config_file}: {name}: expected a string or AddedToken dict, got {value!r}")
+
+
+def _token_id(tokenizer: tokenizers.Tokenizer, text: str, config_file: Path, name: str) -> int:
+    token_id = tokenizer.token_to_id(text)
+    if token_id is None:
+        raise ValueError(f"{config_file}: {name} {text!r} is not in the tokenizer's vocabulary")
+    return token_id
+
+
+def _chat_template(config: dict[str, Any], config_file: Path) -> str | None:
+    """chat_template.jinja wins over the config entry, as in transformers."""
+    jinja_file = config_file.with_name("chat_template.jinja")
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ValueError(f"{config_file}: chat_template: expected a string or a list with a 'default'")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore names, so templates cannot plant dunders."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+@lru_cache(maxsize=None)
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
+    env.globals["namespace"] = _Namespace
+    return env.from_string(template)
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Copy messages as transformers hands them over: None values dropped, reasoning aliased."""
+    out = []
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{k}]: expected a dict with role and content, got {message!r}")
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[f] for f in _REASONING_FIELDS if f in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def render_text(
+    bundle: TokenizerBundle, messages: list[dict], add_generation_prompt: bool = False
+) -> str:
+    """The conversation exactly as the tokenizer's own chat template renders it."""
+    if bundle.chat_template is None:
+        raise ValueError(
+            f"{bundle.path}: no chat template (tokenizer_config.json 'chat_template' "
+            "or chat_template.jinja)"
+        )
+    if not messages:
+        raise ValueError("messages: a conversation needs at least one message")
+    return _compile(bundle.chat_template).render(
+        messages=_template_messages(messages),
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **dict(bundle.special_tokens),
+    )
+
+
+def encode_text(bundle: TokenizerBundle, text: str, add_special_tokens: bool) -> np.ndarray:
+    """Token ids of plain text; with special tokens, exactly one leading BOS (if any)."""
+    ids = bundle.tokenizer.encode(text, add_special_tokens=False).ids
+    if add_special_tokens and bundle.bos_id is not None and ids[:1] != [bundle.bos_id]:
+        ids = [bundle.bos_id, *ids]
+    return np.asarray(ids, dtype=np.int32)
+
+
+def render_conversation(
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    actions: list[bool],
+    add_generation_prompt: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ids (int32) of the full rendering and its loss mask (True = trained).
+
+    Message k's span runs from its header to the next message's header; each token takes
+    `actions[k]` of the span holding its first character. BOS and the generation prompt
+    are never trained.
+    """
+    if len(actions) != len(messages):
+        raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
+    text = render_text(bundle, messages, add_generation_prompt)
+    prompt_start = len(text)  # where the generation prompt begins
+    if add_generation_prompt:
+        closed = render_text(bundle, messages, False)
+        if text.startswith(closed):
+            prompt_start = len(closed)
+    located = _locate_contents(text, messages, prompt_start)
+    located = _place_empty_contents(bundle, messages, text, located, add_generation_prompt)
+    encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
+    ids = np.asarray(encoding.ids, dtype=np.int32)
+    first_char = np.asarray([start for start, _ in encoding.offsets], dtype=np.int64)
+    span_starts = _span_starts(text, located, prompt_start, first_char)
+    owner = np.searchsorted(np.asarray(span_starts), first_char, side="right") - 1
+    mask = np.asarray(actions, dtype=bool)[owner] & (first_char < prompt_start)
+    if bundle.bos_id is not None:
+        if ids[:1].tolist() != [bundle.bos_id]:
+            ids = np.concatenate([np.asarray([bundle.bos_id], dtype=np.int32), ids])
+            mask = np.concatenate([[False], mask])
+        mask[0] = False
+    return ids, mask
+
+
+def _visible_forms(content: str) -> list[str]:
+    """What a template may show of a content, most faithful first."""
+    forms = [content, content.strip()]
+    if "</think>" in content:  # Qwen3 keeps only the answer after the reasoning
+        forms.append(content.split("</think>")[-1].lstrip("\n"))
+    forms.append(content.lstrip("\n"))
+    return list(dict.fromkeys(forms))
+
+
+def _locate_contents(
+    text: str, messages: list[dict], limit: int
+) -> list[tuple[int, int] | None]:
+    """(start, end) of each message's content, searched forward; None for an empty one."""
+    located: list[tuple[int, int] | None] = []
+    cursor = 0
+    for k, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(
+                f"messages[{k}] (role {message.get('role')!r}): content must be a string, "
+                f"got {type(content).__name__}"
+            )
+        forms = _visible_forms(content)
+        hit = None
+        for form in filter(None, forms):
+            start = text.find(form, cursor, limit)
+            if start >= 0:
+                hit = (start, start + len(form))
+                break
+        if hit is None and all(forms):
+            raise ValueError(
+                f"messages[{k}] (role {message.get('role')!r}): content not found in the "
+                "rendered template; the template rewrites it in a way tokenmill cannot follow"
+            )
+        located.append(hit)
+        cursor = hit[1] if hit else cursor
+    return located
+
+
+def _place_empty_contents(
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    text: str,
+    located: list[tuple[int, int] | None],
+    add_generation_prompt: bool,
+) -> list[tuple[int, int]]:
+    """Place empty contents by rendering once more with a marker in their place.
+
+    A zero-length content cannot be searched for; putting it at the end of the
+    previous content would hand that message's end-of-turn to this one. The marker
+    rendering gives the exact spot whenever removing the markers gives back `text`;
+    otherwise (a template that treats empty content specially) the spot is the end
+    of the previous content.
+    """
+    pending = [k for k, hit in enumerate(located) if hit is None]
+    if not pending:
+        return located  # type: ignore[return-value]
+    marks = {k: _EMPTY_MARK.format(k) for k in pending}
+    probe_messages = [
+        {**message, "content": marks[k]} if k in marks else message
+        for k, message in enumerate(messages)
+    ]
+    probe = render_text(bundle, probe_messages, add_generation_prompt)
+    at: dict[int, int] = {}
+    parts, pos = [], 0
+    for k in pending:
+        found = probe.find(marks[k], pos)
+        if found < 0:
+            break
+        parts.append(probe[pos:found])
+        at[k] = found - sum(len(marks[j]) for j in at)
+        pos = found + len(marks[k])
+    exact = len(at) == len(pending) and "".join(parts) + probe[pos:] == text
+
+    placed: list[tuple[int, int]] = []
+    for k, hit in enumerate(located):
+        if hit is None:
+            low = placed[-1][1] if placed else 0
+            high = next((h[0] for h in located[k + 1 :] if h is not None), len(text))
+            spot = at[k] if exact and low <= at[k] <= high else low
+            hit = (spot, spot)
+        placed.append(hit)
+    return placed
+
+
+def _span_starts(
+    text: str, located: list[tuple[int, int]], limit: int, token_starts: np.ndarray
+) -> list[int]:
+    """Where each message's span starts: after the previous content and its end-of-turn.
+
+    The end-of-turn text is what follows the last content (before any generation
+    prompt); between two contents, the part of the gap it shares is the end-of-turn,
+    cut back to whole tokens (`<｜User｜>` and `<｜end▁of▁sentence｜>` share `<｜`).
+    """
+    tail = text[located[-1][1] : limit]
+    starts = [0]
+    for (_, end), (next_start, _) in zip(located, located[1:]):
+        gap = text[end:next_start]
+        shared = 0
+        while shared < min(len(gap), len(tail)) and gap[shared] == tail[shared]:
+            shared += 1
+        token = int(np.searchsorted(token_starts, end + shared, side="right")) - 1
+        starts.append(max(end, int(token_starts[token])) if token >= 0 else end + shared)
+    return starts
