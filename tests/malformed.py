@@ -88,7 +88,9 @@ def _chat(*turns: tuple[Any, Any]) -> dict:
 
 
 GOOD = _chat(("user", "What is 2 + 2?"), ("assistant", "2 + 2 is 4."))
-GOOD_LONG = _chat(("user", "Name three primary colours, please."), ("assistant", "Red, yellow and blue."))
+GOOD_LONG = _chat(
+    ("user", "Name three primary colours, please."), ("assistant", "Red, yellow and blue.")
+)
 PROMPT = [{"role": "user", "content": "Write a haiku about rain on a tin roof."}]
 CHOSEN = PROMPT + [{"role": "assistant", "content": "Tin roof drums softly / ..."}]
 REJECTED = PROMPT + [{"role": "assistant", "content": "Rain is wet."}]

@@ -185,7 +185,8 @@ def test_dpo_items_and_truncation_keep_the_start(shards: dict[str, Path]):
         for key in a:
             assert torch.equal(b[key], a[key][:40])
         assert len(a["chosen"]) == len(a["chosen_mask"]) > 40
-        assert a["chosen"][-1] == IM_END and a["chosen_mask"][-1]  # ends on the trained end of turn
+        # ends on the assistant's trained end of turn, "<|im_end|>\n"
+        assert a["chosen"][-2:].tolist() == [IM_END, 198] and a["chosen_mask"][-2:].all()
         assert cut.sample_length(i) == len(b["chosen"]) + len(b["rejected"]) == 80
         assert full.sample_length(i) == len(a["chosen"]) + len(a["rejected"])
 

@@ -201,7 +201,7 @@ def test_simple_keeps_input_order_and_fills_greedily(inputs: tuple[list[int], in
     rows, _ = plan_packing(lengths, max_len, "simple")
     assert [d for row in rows for d, _, _ in row] == [d for d, n in enumerate(lengths) if n > 0]
     fills = [sum(e - s for _, s, e in row) for row in rows]
-    for fill, next_row in zip(fills, rows[1:]):
+    for fill, next_row in zip(fills, rows[1:], strict=False):
         _, s, e = next_row[0]
         assert fill + (e - s) > max_len, "a new row was opened although the doc fit"
 
@@ -226,12 +226,14 @@ def test_apply_packing_keeps_keys_aligned(inputs: tuple[list[int], int], strateg
     assert list(packed) == ["sequence", "loss_mask", "weights"]
     for key, per_row in packed.items():
         assert len(per_row) == len(rows)
-        for row, arr in zip(rows, per_row):
+        for row, arr in zip(rows, per_row, strict=True):
             expected = np.concatenate([docs[key][d][s:e] for d, s, e in row])
             assert arr.dtype == docs[key][0].dtype
             np.testing.assert_array_equal(arr, expected)
     for r in range(len(rows)):
-        assert len(packed["sequence"][r]) == len(packed["loss_mask"][r]) == len(packed["weights"][r])
+        assert (
+            len(packed["sequence"][r]) == len(packed["loss_mask"][r]) == len(packed["weights"][r])
+        )
         np.testing.assert_array_equal(packed["loss_mask"][r], packed["sequence"][r] % 3 == 0)
 
 

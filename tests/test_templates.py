@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
 def _sharegpt(n: int) -> list[list[dict]]:
     with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
-        return [json.loads(line)["messages"] for _, line in zip(range(n), f)]
+        return [json.loads(line)["messages"] for line in itertools.islice(f, n)]
 
 
 EXTRA = [
@@ -86,7 +87,7 @@ def _trained_runs(bundle, ids: np.ndarray, mask: np.ndarray) -> list[str]:
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
     return [
         bundle.tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
-        for a, b in zip(edges[::2], edges[1::2])
+        for a, b in edges.reshape(-1, 2)
     ]
 
 
@@ -188,7 +189,8 @@ def test_generation_prompt_is_never_trained(family, bundles, oracles):
     messages = GOLDEN_MESSAGES[:3]
     ids, mask = render_conversation(bundles[family], messages, [True] * 3, True)
     assert ids.tolist() == _oracle_ids(oracles[family], messages, add_generation_prompt=True)
-    prompt = {"deepseek-v3": 1, "qwen2.5": 3, "qwen3": 3}[family]  # <Assistant> | <im_start>assistant\n
+    # the prompt is <｜Assistant｜> (DeepSeek) or <|im_start|> assistant \n (Qwen)
+    prompt = {"deepseek-v3": 1, "qwen2.5": 3, "qwen3": 3}[family]
     assert not mask[-prompt:].any()
     assert mask[-prompt - 1]  # the user turn before it trains, as asked
     assert mask[0] == (family != "deepseek-v3")  # BOS never trains
@@ -257,7 +259,8 @@ def test_errors_name_the_file_or_the_message(tmp_path, bundles):
         load_tokenizer(tmp_path)
 
     shouting = dataclasses.replace(
-        bundles["qwen2.5"], chat_template="{% for m in messages %}{{ m.content | upper }}{% endfor %}"
+        bundles["qwen2.5"],
+        chat_template="{% for m in messages %}{{ m.content | upper }}{% endfor %}",
     )
     messages = [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "yes"}]
     with pytest.raises(ValueError, match=r"messages\[1\] \(role 'assistant'\): content not found"):
@@ -270,7 +273,7 @@ def test_errors_name_the_file_or_the_message(tmp_path, bundles):
     "template",
     [
         "{{ ''.__class__.__mro__ }}",
-        "{{ messages.__class__ }}",
+        "{{ messages.__class__.__name__ }}",
         "{% set x = messages.append(1) %}",
         "{% set ns = namespace(__init__=1) %}",
     ],

@@ -155,8 +155,11 @@ class _RecordDataset(BaseDataset):
     def _all_lengths(self) -> np.ndarray | None:
         """Per-record token counts summed over `length_keys`, or None if the store cannot say."""
         if self._lengths is None and hasattr(self.store, "record_lengths"):
-            lengths = [self._capped(np.asarray(self.store.record_lengths(k))) for k in self.length_keys]
-            self._lengths = np.sum(lengths, axis=0).astype(np.int64)
+            try:  # a lazy store has no offsets: lengths are known only once a record is processed
+                per_key = [np.asarray(self.store.record_lengths(k)) for k in self.length_keys]
+            except ValueError:
+                return None
+            self._lengths = np.sum([self._capped(n) for n in per_key], axis=0).astype(np.int64)
         return self._lengths
 
     def _capped(self, lengths: np.ndarray) -> np.ndarray:
@@ -280,12 +283,14 @@ def _load_store(
     storage_type: str | None,
     tokenizer_path: str | Path | None,
 ) -> Any:
+    from tokenmill.shards import read_manifest
     from tokenmill.store import StoreFactory, detect_format
 
     if storage_type is None:
         storage_type = detect_format(load_path)
     store = StoreFactory.create(storage_type, window_size=window_size, stride=stride)
-    if storage_type != "jsonl":
+    written = Path(load_path).is_dir() and read_manifest(Path(load_path)) is not None
+    if storage_type != "jsonl" or written:  # shards, or JSONL the pipeline already tokenized
         store.load(load_path)
     elif train_type in ("dpo", "grpo") and tokenizer_path is not None:
         store.load(load_path, processor=record_processor(train_type, tokenizer_path))

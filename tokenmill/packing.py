@@ -31,6 +31,9 @@ def plan_packing(
     simple and bfd keep the first `max_len` tokens of a longer document, alone in
     its row, and count the rest as dropped. Zero-length documents get no piece and
     no row: an empty row would be a record without tokens downstream.
+    Rows come in order of creation, pieces in placement order. bfd usually needs
+    fewer rows than simple, never more than simple over longest-first order, but
+    can need more on an input order that happens to tile well.
     """
     if strategy not in PACKING_STRATEGIES:
         raise ValueError(

@@ -120,21 +120,15 @@ def get_field(record: Record, path: str) -> Any:
     walked: list[str] = []
     for key in path.split("."):
         if not isinstance(value, dict):
-            where = ".".join(walked)
-            raise RecordError(
-                record.source, record.line, where,
-                f"expected an object, got {_type_name(value)}", "wrong_type",
-            )  # fmt: skip
+            raise _error(record, ".".join(walked), f"expected an object, got {_type_name(value)}")
         walked.append(key)
         if key not in value:
             keys = ", ".join(list(value)[:10]) + (", ..." if len(value) > 10 else "")
-            raise RecordError(
-                record.source, record.line, ".".join(walked),
-                f"missing field (record has: {keys or 'no fields'})", "missing_field",
-            )  # fmt: skip
+            message = f"missing field (record has: {keys or 'no fields'})"
+            raise _error(record, ".".join(walked), message, "missing_field")
         value = value[key]
         if value is None:
-            raise RecordError(record.source, record.line, ".".join(walked), "is null", "missing_field")
+            raise _error(record, ".".join(walked), "is null", "missing_field")
     return value
 
 
@@ -146,41 +140,34 @@ def check_messages(
     Messages are indexed from 0 in errors (`messages[3].role`); other keys are kept.
     """
     if not isinstance(value, list):
-        raise RecordError(
-            record.source, record.line, field,
-            f"expected a list of messages, got {_type_name(value)}", "wrong_type",
-        )  # fmt: skip
+        raise _error(record, field, f"expected a list of messages, got {_type_name(value)}")
     if not value:
-        raise RecordError(record.source, record.line, field, "empty conversation", "empty")
+        raise _error(record, field, "empty conversation", "empty")
     for i, message in enumerate(value):
         where = f"{field}[{i}]"
         if not isinstance(message, dict):
-            raise RecordError(
-                record.source, record.line, where,
-                f"expected a message object, got {_type_name(message)}", "wrong_type",
-            )  # fmt: skip
+            raise _error(record, where, f"expected a message object, got {_type_name(message)}")
         role = _message_string(record, where, message, "role")
         _message_string(record, where, message, "content")
         if roles is not None and role not in roles:
-            raise RecordError(
-                record.source, record.line, f"{where}.role",
-                f"expected one of [{', '.join(sorted(roles))}], got {_show(role)}", "unknown_role",
-            )  # fmt: skip
+            expected = f"expected one of [{', '.join(sorted(roles))}], got {_show(role)}"
+            raise _error(record, f"{where}.role", expected, "unknown_role")
     return list(value)
+
+
+def _error(record: Record, field: str, message: str, reason: str = "wrong_type") -> RecordError:
+    return RecordError(record.source, record.line, field, message, reason)
 
 
 def _message_string(record: Record, where: str, message: dict, key: str) -> str:
     field = f"{where}.{key}"
     if key not in message:
-        raise RecordError(record.source, record.line, field, "missing field", "missing_field")
+        raise _error(record, field, "missing field", "missing_field")
     value = message[key]
     if value is None:
-        raise RecordError(record.source, record.line, field, "is null", "missing_field")
+        raise _error(record, field, "is null", "missing_field")
     if not isinstance(value, str):
-        raise RecordError(
-            record.source, record.line, field,
-            f"expected a string, got {_type_name(value)} {_show(value)}", "wrong_type",
-        )  # fmt: skip
+        raise _error(record, field, f"expected a string, got {_type_name(value)} {_show(value)}")
     return value
 
 
@@ -208,7 +195,9 @@ def _read_jsonl(path: Path, on_error: OnError) -> Iterator[Record]:
             yield Record(source, line, data)
 
 
-def _numbered_lines(stream: IO[bytes], path: Path, on_error: OnError) -> Iterator[tuple[int, bytes]]:
+def _numbered_lines(
+    stream: IO[bytes], path: Path, on_error: OnError
+) -> Iterator[tuple[int, bytes]]:
     """(line number, raw bytes) pairs; a stream that breaks is reported once and ends the file."""
     line = 0
     try:
@@ -220,13 +209,14 @@ def _numbered_lines(stream: IO[bytes], path: Path, on_error: OnError) -> Iterato
 
 
 def _read_json(path: Path, on_error: OnError) -> Iterator[Record]:
-    """A .json file is one document: an object, or a list of objects (line = 1-based position)."""
+    """A .json file is one document, an object or a list of objects (line = 1-based position);
+    it is read whole, as orjson has no incremental parser."""
     source = str(path)
     try:
         with _open_bytes(path) as stream:
             raw = stream.read()
     except _STREAM_ERRORS as exc:
-        _report(_stream_error(path, 0, exc), on_error)
+        _report(_stream_error(path, None, exc), on_error)
         return
     if raw.startswith(codecs.BOM_UTF8):
         raw = raw[len(codecs.BOM_UTF8) :]
@@ -321,46 +311,54 @@ def _report(err: RecordError, on_error: OnError) -> None:
     on_error(err)
 
 
-def _stream_error(path: Path, lines_done: int, exc: BaseException) -> RecordError:
-    after = f"after line {lines_done}" if lines_done else "before the first line"
+def _stream_error(path: Path, lines_done: int | None, exc: BaseException) -> RecordError:
+    """A file that cannot be read on; `lines_done` None for a .json document (no lines yet)."""
+    after = "" if lines_done is None else f", after line {lines_done}"
+    line = 1 if lines_done is None else lines_done + 1
     if isinstance(exc, EOFError):
-        message = f"file ends early, {after} (truncated {path.suffix} stream: {exc})"
-        return RecordError(str(path), lines_done + 1, None, message, "truncated_file")
-    message = f"cannot read the file {after}: {exc}"
-    return RecordError(str(path), lines_done + 1, None, message, "corrupt_file")
+        message = f"file ends early{after} (truncated {path.suffix} stream: {exc})"
+        return RecordError(str(path), line, None, message, "truncated_file")
+    return RecordError(str(path), line, None, f"cannot read the file{after}: {exc}", "corrupt_file")
 
 
 def _json_error(
     source: str, line: int | None, raw: bytes, exc: orjson.JSONDecodeError, last_line: bool
 ) -> RecordError:
     """One orjson failure as a RecordError; `line` None means a whole .json document."""
-    msg, reason = exc.msg, "bad_json"
-    at_line, column = exc.lineno, exc.colno
-    following = exc.doc[exc.pos : exc.pos + 9] if isinstance(exc.doc, str) else ""
-    if "UTF-8" in msg and "BOM" not in msg:
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError as bad:
-            at_line = raw.count(b"\n", 0, bad.start) + 1
-            column = bad.start - raw.rfind(b"\n", 0, bad.start)
-            detail = f"invalid UTF-8 byte 0x{raw[bad.start]:02x}"
-        else:  # pragma: no cover - orjson and Python agree on UTF-8
-            detail = msg
-        msg, reason = f"{detail} (the file is not UTF-8 text)", "bad_utf8"
-    elif "surrogate" in msg:
-        msg = f"{msg}: a lone \\ud800-\\udfff escape cannot be encoded as UTF-8"
-        reason = "bad_utf8"
-    elif following.startswith(("NaN", "Infinity")):
-        word = "NaN" if following.startswith("NaN") else "Infinity"
-        msg = f"{word} is not valid JSON (write null or a finite number)"
-    elif "infinity" in msg:
-        msg = "number out of range: it overflows a double to infinity"
-    elif "depth limit" in msg:
-        msg = "nested deeper than the 1024 levels orjson accepts"
-    text = f"invalid JSON at column {column}: {msg}"
+    if "not valid UTF-8" in exc.msg:
+        at_line, text, reason = *_utf8_error(raw), "bad_utf8"
+    else:
+        at_line, reason = exc.lineno, "bad_utf8" if "surrogate" in exc.msg else "bad_json"
+        following = exc.doc[exc.pos : exc.pos + 9] if isinstance(exc.doc, str) else ""
+        text = f"invalid JSON at column {exc.colno}: {_explain(exc.msg, following)}"
     if last_line:
         text = f"truncated last line (no newline at end of file): {text}"
     return RecordError(source, line if line is not None else at_line, None, text, reason)
+
+
+def _explain(msg: str, following: str) -> str:
+    """orjson's message, with the cause spelled out for the failures people actually hit."""
+    if "surrogate" in msg:
+        return f"{msg} (a lone \\ud800-\\udfff escape cannot be encoded as UTF-8)"
+    if following.startswith(("NaN", "Infinity")):
+        word = "NaN" if following.startswith("NaN") else "Infinity"
+        return f"{word} is not valid JSON (write null or a finite number)"
+    if "infinity" in msg:
+        return "number out of range: it overflows a double to infinity"
+    if "depth limit" in msg:
+        return "nested deeper than the 1024 levels orjson accepts"
+    return msg
+
+
+def _utf8_error(raw: bytes) -> tuple[int, str]:
+    """(text line, message) for the first byte that is not UTF-8."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = raw.count(b"\n", 0, bad.start) + 1
+        column = bad.start - raw.rfind(b"\n", 0, bad.start)
+        return line, f"not UTF-8 text: byte 0x{raw[bad.start]:02x} at byte {column} of the line"
+    return 1, "not UTF-8 text"
 
 
 def _suffix(path: Path) -> str:

@@ -399,7 +399,10 @@ def read_meta(shard_dir: Path) -> dict:
             bounds = entry.get(part)
             if bounds is None or isinstance(bounds, list):
                 continue
-            if not (isinstance(bounds, dict) and _KEY_RE.match(str(bounds.get("file")))):
+            file = bounds.get("file") if isinstance(bounds, dict) else None
+            if not (
+                isinstance(file, str) and file == Path(file).name and file not in ("", ".", "..")
+            ):
                 raise ValueError(
                     f"{where}: {part} must be a list or {{file, count}}, got {bounds!r}"
                 )
@@ -507,7 +510,8 @@ def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
         try:
             found[rel] = read_meta(shard)
         except ValueError as err:
-            problems.append(f"{rel}/meta.json: {err}")
+            problems.append(str(err))
+            found[rel] = {}
             continue
         problems += _verify_shard(shard, rel, found[rel])
     try:
@@ -552,7 +556,7 @@ def _verify_bounds(
 ) -> list[str]:
     """Checks one offsets/items array: size, checksum, range, order, first and last value."""
     if isinstance(bounds, list):
-        where = f"{rel}/meta.json: key {key!r}: inline {part}"
+        where = f"{rel}/meta.json: key {key!r} (inline)"
         values = np.asarray(bounds, OFFSET_DTYPE)
     else:
         path = shard / bounds["file"]
@@ -591,7 +595,7 @@ def _verify_manifest(root: Path, manifest: dict, found: dict[str, dict]) -> list
                 problems += _verify_part(root / rel, rel, info)
             elif rel not in found:
                 problems.append(f"{rel}: listed in manifest.json but missing")
-            else:
+            elif found[rel]:
                 meta = found[rel]
                 primary = manifest.get("primary_key")
                 tokens = meta[primary if primary in meta else primary_key(list(meta))]["shape"][0]

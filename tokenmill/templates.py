@@ -12,7 +12,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import cache
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +24,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # The named special tokens a template can read, as transformers passes them.
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # fmt: skip
 # Names a message's reasoning arrives under; templates read the first (or `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Stands in for an empty content so its place in the rendering can be found.
@@ -60,7 +53,7 @@ def load_tokenizer(path: str | Path) -> TokenizerBundle:
     return _load_folder(str(Path(path).resolve()))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_folder(folder: str) -> TokenizerBundle:
     tokenizer_file = Path(folder) / "tokenizer.json"
     config_file = Path(folder) / "tokenizer_config.json"
@@ -83,7 +76,11 @@ def _load_folder(folder: str) -> TokenizerBundle:
         if text is not None:
             special[name] = text
     template = _chat_template(config, config_file)
-    ids = {name: _token_id(tokenizer, text, config_file, name) for name, text in special.items()}
+    ids = {
+        name: _token_id(tokenizer, special[name], config_file, name)
+        for name in ("bos_token", "eos_token", "pad_token")
+        if name in special
+    }
     digest = hashlib.sha256(raw)
     digest.update((template or "").encode("utf-8"))
     return TokenizerBundle(
@@ -166,7 +163,7 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -184,7 +181,9 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     out = []
     for k, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ValueError(f"messages[{k}]: expected a dict with role and content, got {message!r}")
+            raise ValueError(
+                f"messages[{k}]: expected a dict with role and content, got {message!r}"
+            )
         message = {key: value for key, value in message.items() if value is not None}
         reasoning = next((message[f] for f in _REASONING_FIELDS if f in message), None)
         if reasoning is not None:
@@ -241,8 +240,8 @@ def render_conversation(
         closed = render_text(bundle, messages, False)
         if text.startswith(closed):
             prompt_start = len(closed)
-    located = _locate_contents(text, messages, prompt_start)
-    located = _place_empty_contents(bundle, messages, text, located, add_generation_prompt)
+    found = _locate_contents(text, messages, prompt_start)
+    located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
     encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int32)
     first_char = np.asarray([start for start, _ in encoding.offsets], dtype=np.int64)
@@ -266,9 +265,7 @@ def _visible_forms(content: str) -> list[str]:
     return list(dict.fromkeys(forms))
 
 
-def _locate_contents(
-    text: str, messages: list[dict], limit: int
-) -> list[tuple[int, int] | None]:
+def _locate_contents(text: str, messages: list[dict], limit: int) -> list[tuple[int, int] | None]:
     """(start, end) of each message's content, searched forward; None for an empty one."""
     located: list[tuple[int, int] | None] = []
     cursor = 0
@@ -300,46 +297,55 @@ def _place_empty_contents(
     bundle: TokenizerBundle,
     messages: list[dict],
     text: str,
-    located: list[tuple[int, int] | None],
+    found: list[tuple[int, int] | None],
     add_generation_prompt: bool,
 ) -> list[tuple[int, int]]:
-    """Place empty contents by rendering once more with a marker in their place.
+    """Give each empty content a zero-length place between its neighbours.
 
-    A zero-length content cannot be searched for; putting it at the end of the
-    previous content would hand that message's end-of-turn to this one. The marker
-    rendering gives the exact spot whenever removing the markers gives back `text`;
-    otherwise (a template that treats empty content specially) the spot is the end
-    of the previous content.
+    Putting it at the end of the previous content would hand that message's
+    end-of-turn to this one, so the place comes from a rendering with a marker in
+    its stead; failing that, it is the end of the previous content.
     """
-    pending = [k for k, hit in enumerate(located) if hit is None]
-    if not pending:
-        return located  # type: ignore[return-value]
-    marks = {k: _EMPTY_MARK.format(k) for k in pending}
-    probe_messages = [
-        {**message, "content": marks[k]} if k in marks else message
-        for k, message in enumerate(messages)
-    ]
-    probe = render_text(bundle, probe_messages, add_generation_prompt)
-    at: dict[int, int] = {}
-    parts, pos = [], 0
-    for k in pending:
-        found = probe.find(marks[k], pos)
-        if found < 0:
-            break
-        parts.append(probe[pos:found])
-        at[k] = found - sum(len(marks[j]) for j in at)
-        pos = found + len(marks[k])
-    exact = len(at) == len(pending) and "".join(parts) + probe[pos:] == text
-
+    pending = [k for k, hit in enumerate(found) if hit is None]
+    marked = _marker_places(bundle, messages, text, pending, add_generation_prompt)
     placed: list[tuple[int, int]] = []
-    for k, hit in enumerate(located):
+    for k, hit in enumerate(found):
         if hit is None:
             low = placed[-1][1] if placed else 0
-            high = next((h[0] for h in located[k + 1 :] if h is not None), len(text))
-            spot = at[k] if exact and low <= at[k] <= high else low
+            high = next((h[0] for h in found[k + 1 :] if h is not None), len(text))
+            spot = marked[k] if low <= marked.get(k, -1) <= high else low
             hit = (spot, spot)
         placed.append(hit)
     return placed
+
+
+def _marker_places(
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    text: str,
+    pending: list[int],
+    add_generation_prompt: bool,
+) -> dict[int, int]:
+    """Where the markers for `pending` contents sit in `text`; {} unless exact.
+
+    Exact means removing the markers from the marked rendering gives back `text`
+    (not so for a template that treats empty content specially).
+    """
+    if not pending:
+        return {}
+    marks = {k: _EMPTY_MARK.format(k) for k in pending}
+    marked = [{**m, "content": marks[k]} if k in marks else m for k, m in enumerate(messages)]
+    probe = render_text(bundle, marked, add_generation_prompt)
+    places: dict[int, int] = {}
+    parts, pos = [], 0
+    for k in pending:
+        at = probe.find(marks[k], pos)
+        if at < 0:
+            return {}
+        parts.append(probe[pos:at])
+        places[k] = at - sum(len(marks[j]) for j in places)
+        pos = at + len(marks[k])
+    return places if "".join(parts) + probe[pos:] == text else {}
 
 
 def _span_starts(
@@ -353,7 +359,7 @@ def _span_starts(
     """
     tail = text[located[-1][1] : limit]
     starts = [0]
-    for (_, end), (next_start, _) in zip(located, located[1:]):
+    for (_, end), (next_start, _) in pairwise(located):
         gap = text[end:next_start]
         shared = 0
         while shared < min(len(gap), len(tail)) and gap[shared] == tail[shared]:

@@ -1,0 +1,252 @@
+"""Pipeline: every training type's keys, worker-count invariance, atomic failure, skip accounting, resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from malformed import PIPELINE_CASES, PIPELINE_CONFIGS
+from tokenmill.config import PipelineConfig, default_config
+from tokenmill.masking import FILTER_REASONS
+from tokenmill.pipeline import Pipeline
+from tokenmill.records import RecordError
+from tokenmill.shards import find_shards, read_manifest, verify_dataset
+from tokenmill.store import MmapStore
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "data"
+QWEN = DATA / "tokenizers" / "qwen2.5"
+DEEPSEEK = DATA / "tokenizers" / "deepseek-v3"
+
+
+def config(train_type: str, **pre) -> PipelineConfig:
+    data = default_config(train_type).model_dump(mode="json")
+    data["preprocessing"].update(pre.pop("preprocessing", {}))
+    data["output"].update(pre.pop("output", {}))
+    return PipelineConfig.from_dict(data)
+
+
+def files_of(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != "manifest.json"}
+
+
+def lines_of(src: Path) -> list[str]:
+    """Lines split on \\n only (the data holds U+2028, which str.splitlines would split on)."""
+    return [line + "\n" for line in src.read_text().split("\n") if line]
+
+
+def head(src: Path, dst: Path, n: int) -> Path:
+    dst.write_text("".join(lines_of(src)[:n]))
+    return dst
+
+
+TYPES = {
+    "seq": ("pretrain_c4_300.jsonl", ["sequence", "position_ids"]),
+    "instruction": ("instruction_humaneval.jsonl", ["sequence", "loss_mask", "position_ids"]),
+    "sft": ("chat_sharegpt_1000.jsonl", ["sequence", "loss_mask", "position_ids"]),
+    "dpo": ("dpo_en_300.jsonl", ["chosen", "chosen_mask", "rejected", "rejected_mask"]),
+    "grpo": ("grpo_from_dpo_300.jsonl", ["prompts", "responses", "masks", "rewards"]),
+}
+
+
+@pytest.mark.parametrize("train_type", list(TYPES))
+def test_every_training_type_writes_its_keys(tmp_path, train_type):
+    name, keys = TYPES[train_type]
+    src = head(DATA / name, tmp_path / name, 40)
+    out = tmp_path / "out"
+    summary = Pipeline(config(train_type), [src], out, QWEN, workers=1, on_error="skip").run()
+    assert summary.records_read == 40
+    assert summary.records_written + sum(summary.skipped.values()) == 40
+    assert summary.records_written > 30
+    manifest = read_manifest(out)
+    assert list(manifest["keys"]) == keys
+    meta = json.loads((find_shards(out)[0] / "meta.json").read_text())
+    assert list(meta) == keys
+    assert all("offsets" in meta[k] for k in keys)
+    assert verify_dataset(out) == []
+    store = MmapStore()
+    store.load(out)
+    if train_type == "grpo":
+        rec = store.fetch_record(0, ["prompts", "responses", "masks", "rewards"])
+        raw = json.loads(lines_of(src)[0])
+        assert len(rec["responses"]) == len(raw["responses"]) == len(rec["masks"])
+        assert rec["rewards"].dtype.is_floating_point and rec["rewards"].tolist() == raw["rewards"]
+        assert all(m.all() for m in rec["masks"])  # responses train, each ends with <|im_end|>
+        assert all(int(r[-1]) == 151645 for r in rec["responses"])
+    if train_type == "dpo":
+        assert store.num_records == summary.records_written
+
+
+def test_output_bytes_do_not_depend_on_worker_count(tmp_path):
+    src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 120)
+    cfg = config("sft", preprocessing={"batch_size": 16, "max_packed_len": 4096},
+                 output={"max_tokens_per_shard": 30_000})
+    outs = []
+    for workers in (1, 2, 3):
+        out = tmp_path / f"w{workers}"
+        Pipeline(cfg, [src], out, QWEN, workers=workers, on_error="skip").run()
+        outs.append(files_of(out))
+    assert len([k for k in outs[0] if k.endswith("meta.json")]) >= 3
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_bad_record_stops_the_run_and_leaves_nothing_that_looks_complete(tmp_path):
+    lines = lines_of(DATA / "chat_sharegpt_1000.jsonl")[:60]
+    lines[50] = '{"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "x"}]}\n'
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(lines))
+    out = tmp_path / "out"
+    cfg = config("sft", preprocessing={"batch_size": 8, "max_seq_len": 8192}, output={"max_tokens_per_shard": 5_000})
+    with pytest.raises(RecordError) as err:
+        Pipeline(cfg, [src], out, QWEN, workers=2).run()
+    assert str(err.value).startswith(f"{src}:51: messages[1].role:")
+    assert find_shards(out) == [] and read_manifest(out) is None
+    assert [p.name for p in out.iterdir()] == []
+
+
+def test_skip_counts_and_lists_every_bad_record(tmp_path):
+    lines = lines_of(DATA / "chat_sharegpt_1000.jsonl")[:30]
+    lines[3] = "{not json\n"
+    lines[7] = '{"messages": "hello"}\n'
+    lines[9] = '{"id": 1}\n'
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(lines))
+    out = tmp_path / "out"
+    summary = Pipeline(config("sft"), [src], out, QWEN, workers=1, on_error="skip").run()
+    rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["reason"]) for r in rejects if r["line"] in (4, 8, 10)] == [
+        (4, "bad_json"), (8, "wrong_type"), (10, "missing_field")]
+    assert len(rejects) == sum(summary.skipped.values())
+    assert summary.records_written + len(rejects) == 30 == summary.records_read
+    assert read_manifest(out)["summary"]["skipped"] == summary.skipped
+
+
+def test_packing_truncation_and_position_ids(tmp_path):
+    src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 50)
+    cfg = config("seq", preprocessing={"max_seq_len": 100, "max_packed_len": 256, "packing_strategy": "bfd",
+                                       "truncation_mode": "keep_end"})
+    out = tmp_path / "out"
+    summary = Pipeline(cfg, [src], out, QWEN, workers=1).run()
+    store = MmapStore()
+    store.load(out)
+    rows = [store.fetch_record(i, ["sequence", "position_ids"]) for i in range(store.num_records)]
+    assert all(len(r["sequence"]) <= 256 for r in rows)
+    assert sum(len(r["sequence"]) for r in rows) == summary.tokens
+    # doc_reset: every document restarts at 0 and no document is longer than max_seq_len
+    pos = np.concatenate([r["position_ids"].numpy() for r in rows])
+    starts = np.flatnonzero(pos == 0)
+    assert len(starts) == summary.records_written
+    assert np.diff(np.append(starts, len(pos))).max() <= 100
+    # keep_end: each truncated document keeps its last token, the EOS
+    eos = 151645  # <|im_end|>, Qwen2.5's eos_token
+    seq = np.concatenate([r["sequence"].numpy() for r in rows])
+    assert all(seq[s - 1] == eos for s in starts[1:])
+
+
+def test_domains_and_shard_rolling(tmp_path):
+    src = tmp_path / "mixed.jsonl"
+    texts = [json.loads(x)["text"] for x in lines_of(DATA / "pretrain_c4_300.jsonl")[:40]]
+    src.write_text("".join(json.dumps({"text": t, "lang": "en" if i % 3 else "fr"}) + "\n"
+                           for i, t in enumerate(texts)))
+    cfg = config("seq", preprocessing={"packing_strategy": "none"},
+                 output={"domain_key": "lang", "max_tokens_per_shard": 2_000})
+    out = tmp_path / "out"
+    Pipeline(cfg, [src], out, QWEN, workers=1).run()
+    manifest = read_manifest(out)
+    assert sorted(manifest["domains"]) == ["en", "fr"]
+    assert len(manifest["domains"]["en"]) > 1
+    for shard in manifest["domains"]["en"][:-1]:
+        assert shard["tokens"] <= 2_000 or shard["records"] == 1
+    records = sum(s["records"] for d in manifest["domains"].values() for s in d)
+    assert records == 40
+
+
+def test_jsonl_storage_format(tmp_path):
+    src = head(DATA / "dpo_en_300.jsonl", tmp_path / "dpo.jsonl", 10)
+    cfg = config("dpo", output={"storage_format": "jsonl"})
+    out = tmp_path / "out"
+    Pipeline(cfg, [src], out, QWEN, workers=1).run()
+    lines = (out / "part_00000.jsonl").read_text().splitlines()
+    assert len(lines) == 10
+    first = json.loads(lines[0])
+    assert sorted(first) == ["chosen", "chosen_mask", "rejected", "rejected_mask"]
+    assert len(first["chosen"]) == len(first["chosen_mask"])
+
+
+def test_max_items_and_min_chars(tmp_path):
+    src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 50)
+    cfg = config("seq", preprocessing={"max_items": 7, "min_chars": 10_000_000, "max_chars": 20_000_000})
+    summary = Pipeline(cfg, [src], tmp_path / "out", QWEN, workers=1).run()
+    assert summary.records_read == 7 and summary.skipped == {"too_short": 7}
+
+
+@pytest.mark.parametrize("case", PIPELINE_CASES, ids=lambda c: c.name)
+def test_malformed_pipeline_cases(tmp_path, case):
+    src = tmp_path / case.filename
+    src.write_bytes(case.content)
+    cfg = PipelineConfig.from_dict(PIPELINE_CONFIGS[case.train_type])
+    out = tmp_path / "out"
+    if case.outcome[0] == "ok":
+        summary = Pipeline(cfg, [src], out, QWEN, workers=1).run()
+        assert summary.records_written == case.outcome[1]
+        return
+    _, reason, where, field = case.outcome
+    if reason in FILTER_REASONS:  # length filters are counted skips, never fatal
+        summary = Pipeline(cfg, [src], out, QWEN, workers=1).run()
+        assert summary.skipped == {reason: 1} and summary.first_errors[reason][0].startswith(f"{tmp_path}/{where}")
+        return
+    with pytest.raises(RecordError) as err:
+        Pipeline(cfg, [src], out, QWEN, workers=1).run()
+    assert err.value.reason == reason and err.value.field == field
+    assert str(err.value).startswith(f"{tmp_path}/{where}")
+    assert find_shards(out) == []
+    summary = Pipeline(cfg, [src], tmp_path / "skip", QWEN, workers=1, on_error="skip").run()
+    assert summary.skipped.get(reason) == 1
+
+
+def test_killed_run_resumes_to_identical_bytes(tmp_path):
+    src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 400)
+    cfg_path = tmp_path / "sft.json"
+    data = config("sft", preprocessing={"batch_size": 8}, output={"max_tokens_per_shard": 20_000})
+    cfg_path.write_text(data.model_dump_json())
+    clean = tmp_path / "clean"
+    Pipeline(data, [src], clean, QWEN, workers=1, on_error="skip").run()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tokenmill.cli", "preprocess", str(src), "-o", str(out), "-c", str(cfg_path),
+           "--tokenizer", str(QWEN), "--workers", "1", "--on-error", "skip"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "shard_00003").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert read_manifest(out) is None and (out / "shard_00003").exists()
+    mtime = (out / "shard_00000" / "sequence.bin").stat().st_mtime_ns
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (out / "shard_00000" / "sequence.bin").stat().st_mtime_ns == mtime  # reused, not rewritten
+    assert files_of(out) == files_of(clean)
+    assert read_manifest(out)["summary"]["skipped"] == read_manifest(clean)["summary"]["skipped"]
+    assert read_manifest(out)["domains"] == read_manifest(clean)["domains"]
+
+
+def test_deepseek_records_start_with_one_masked_bos(tmp_path):
+    src = head(DATA / "instruction_humaneval.jsonl", tmp_path / "inst.jsonl", 5)
+    out = tmp_path / "out"
+    Pipeline(config("instruction", preprocessing={"packing_strategy": "none"}), [src], out, DEEPSEEK,
+             workers=1).run()
+    store = MmapStore()
+    store.load(out)
+    for i in range(5):
+        rec = store.fetch_record(i, ["sequence", "loss_mask"])
+        assert int(rec["sequence"][0]) == 0 and int((rec["sequence"] == 0).sum()) == 1
+        assert not bool(rec["loss_mask"][0]) and bool(rec["loss_mask"][-1])

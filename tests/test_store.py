@@ -1,0 +1,421 @@
+"""Stores read back exactly what the shard writer wrote, across shards, in DataLoader workers."""
+
+import json
+import pickle
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.shards import ShardWriter, verify_dataset, write_manifest
+from tokenmill.store import (
+    JsonlStore,
+    MmapStore,
+    StoreFactory,
+    detect_format,
+    window_bounds,
+    window_count,
+)
+
+ROOT = Path(__file__).parent.parent
+SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
+DPO = {"chosen": "int32", "chosen_mask": "bool", "rejected": "int32", "rejected_mask": "bool"}
+GRPO = {"prompts": "int32", "responses": "int32", "masks": "bool", "rewards": "float32"}
+LENGTHS = [5, 9, 1, 12, 7, 3, 8, 30, 2, 6, 11, 4]  # 98 tokens
+
+
+def write(root: Path, records, dtypes, primary, max_tokens, domain=""):
+    with ShardWriter(root / domain, dtypes, primary, max_tokens) as writer:
+        for record in records:
+            writer.add(record)
+    return writer.published
+
+
+def sft_records():
+    rng = np.random.default_rng(0)
+    for n in LENGTHS:
+        ids = rng.integers(0, 150_000, n)
+        yield {"sequence": ids, "loss_mask": ids % 3 > 0, "position_ids": np.arange(n)}
+
+
+def grpo_records(n=9):
+    for i in range(n):
+        responses = [np.arange(i + j) + 10 * j for j in range(i % 3 + 1)]
+        yield {
+            "prompts": np.full(i + 1, i),
+            "responses": responses,
+            "masks": [r % 2 == 0 for r in responses],
+            "rewards": np.linspace(0, 1, len(responses), dtype=np.float32),
+        }
+
+
+def dpo_records(n=7):
+    for i in range(n):
+        chosen, rejected = np.arange(i + 2) * 3, np.arange(i % 4 + 1) + 1000
+        yield {"chosen": chosen, "chosen_mask": chosen > 3, "rejected": rejected, "rejected_mask": rejected % 2 == 0}
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    infos = write(root, list(sft_records()), SFT, "sequence", 20)
+    write_manifest(root, {"primary_key": "sequence", "domains": {"": infos}})
+    return root
+
+
+@pytest.fixture(scope="module")
+def sft_store(sft_dir):
+    return StoreFactory.create("bin", window_size=8, stride=5).load(sft_dir)
+
+
+def concatenated(key):
+    return np.concatenate([r[key] for r in sft_records()])
+
+
+# --- window maths ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "tokens, window, stride, count",
+    [(10, 4, 4, 2), (9, 4, 4, 2), (8, 4, 4, 1), (5, 4, 4, 1), (4, 4, 4, 0), (0, 4, 4, 0), (10, 4, 2, 3), (10, 4, 6, 1), (98, 8, 5, 18)],
+)  # fmt: skip
+def test_window_count(tokens, window, stride, count):
+    assert window_count(tokens, window, stride) == count
+
+
+@given(st.integers(0, 500), st.integers(1, 50), st.integers(1, 50))
+def test_every_window_has_its_target_token_and_no_window_is_missed(tokens, window, stride):
+    n = window_count(tokens, window, stride)
+    if n:
+        assert window_bounds(n - 1, window, stride)[1] + 1 <= tokens  # the shifted target exists
+    assert window_bounds(n, window, stride)[1] + 1 > tokens  # one more window would not fit
+
+
+# --- reading back exactly ---------------------------------------------------------------------
+def test_stream_store_reads_back_every_key(sft_store):
+    assert len(sft_store._segments) == 6  # the rolling cut 98 tokens into 6 shards
+    assert sft_store.keys == list(SFT) and sft_store.token_count == 98 and sft_store.num_records == 12
+    assert sft_store.num_samples == len(sft_store) == (98 - 1 - 8) // 5 + 1 == 18
+    assert sft_store.sample_window(3) == (15, 23)
+    item = sft_store[3]
+    assert item["sequence"].dtype == torch.int32 and item["loss_mask"].dtype == torch.bool
+    for key in SFT:
+        assert item[key].tolist() == concatenated(key)[15:23].tolist()
+    assert sft_store.fetch(0, 98, "position_ids").tolist() == concatenated("position_ids").tolist()
+    assert sft_store.fetch(40, 40, "sequence").shape == (0,)
+    assert sft_store.record_lengths("sequence").tolist() == LENGTHS
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 98), st.integers(0, 98))
+def test_cross_shard_fetch_equals_concatenation(sft_store, a, b):
+    begin, end = min(a, b), max(a, b)
+    got = sft_store.fetch(begin, end, ["sequence", "loss_mask"])
+    assert got["sequence"].numpy().tolist() == concatenated("sequence")[begin:end].tolist()
+    assert got["loss_mask"].numpy().tolist() == concatenated("loss_mask")[begin:end].tolist()
+
+
+def test_fetch_record_across_shards(sft_store):
+    records = list(sft_records())
+    for i, record in enumerate(records):
+        got = sft_store.fetch_record(i, ["sequence", "loss_mask"])
+        assert got["sequence"].tolist() == record["sequence"].tolist()
+        assert got["loss_mask"].tolist() == record["loss_mask"].tolist()
+    assert sft_store.fetch_record(11, "position_ids").tolist() == [0, 1, 2, 3]
+
+
+def test_out_of_range_and_unknown_keys(sft_store):
+    with pytest.raises(IndexError, match="fetch \\[90, 99\\) of key 'sequence' outside \\[0, 98\\)"):
+        sft_store.fetch(90, 99, "sequence")
+    with pytest.raises(IndexError, match="record 12 out of range \\[0, 12\\)"):
+        sft_store.fetch_record(12, "sequence")
+    with pytest.raises(IndexError, match="window 18 out of range \\[0, 18\\)"):
+        sft_store.sample_window(18)
+    with pytest.raises(KeyError, match="key 'tokens' is not in this store; keys: \\['sequence'"):
+        sft_store.fetch(0, 1, "tokens")
+
+
+def test_record_keys_and_list_keys_across_shards(tmp_path):
+    write(tmp_path, list(dpo_records()), DPO, "chosen", 10, domain="dpo")
+    write(tmp_path, list(grpo_records()), GRPO, "prompts", 6, domain="grpo")
+    dpo = StoreFactory.create("bin").load(tmp_path / "dpo")
+    assert dpo.num_records == len(dpo) == 7 and len(dpo._segments) == 5
+    for i, record in enumerate(dpo_records()):
+        got = dpo.fetch_record(i, list(DPO))
+        assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in record.items()}
+    grpo = StoreFactory.create("bin").load(tmp_path / "grpo")
+    assert grpo.token_count == sum(range(1, 10)) and len(grpo._segments) > 3
+    for i, record in enumerate(grpo_records()):
+        got = grpo.fetch_record(i, list(GRPO))
+        assert [r.tolist() for r in got["responses"]] == [r.tolist() for r in record["responses"]]
+        assert [m.dtype for m in got["masks"]] == [torch.bool] * len(record["masks"])
+        assert [m.tolist() for m in got["masks"]] == [m.tolist() for m in record["masks"]]
+        assert got["rewards"].dtype == torch.float32 and got["rewards"].tolist() == record["rewards"].tolist()
+    assert grpo.record_lengths("responses").tolist() == [sum(len(r) for r in rec["responses"]) for rec in grpo_records()]
+    both = StoreFactory.create("bin").load(tmp_path)
+    with pytest.raises(ValueError, match="grpo/shard_00000: keys .* differ from dpo/shard_00000's"):
+        both.num_records
+
+
+def test_fetch_copies_only_the_window_and_warns_nothing(sft_store):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        window = sft_store.fetch(0, 4, "sequence")  # inside shard 0: a slice of the memmap
+        record = sft_store.fetch_record(0, "sequence")
+    assert isinstance(sft_store._segments[0].columns["sequence"].values, np.memmap)
+    assert isinstance(sft_store._segments[0].columns["sequence"].offsets, np.memmap)
+    window[0] = -1
+    record[0] = -1
+    assert sft_store.fetch(0, 1, "sequence").item() == concatenated("sequence")[0] != -1
+
+
+# --- load-time checks -----------------------------------------------------------------------------
+def test_before_load_the_store_says_so():
+    store = StoreFactory.create("bin", window_size=4)
+    for call in (lambda: store.fetch(0, 1, "sequence"), lambda: store.fetch_record(0, "sequence"), lambda: store.keys):
+        with pytest.raises(RuntimeError, match="Store not loaded"):
+            call()
+
+
+def test_truncated_bin_and_short_offsets_fail_at_load(tmp_path):
+    write(tmp_path, list(sft_records()), SFT, "sequence", 20)
+    shard = tmp_path / "shard_00003"
+    with open(shard / "loss_mask.bin", "r+b") as f:
+        f.truncate(3)
+    with pytest.raises(ValueError, match=f"^{shard / 'loss_mask.bin'}: key 'loss_mask': 3 bytes, expected 12 bytes"):
+        MmapStore().load(tmp_path)
+    (shard / "loss_mask.bin").write_bytes(bytes(12))
+    with open(shard / "position_ids.offsets.bin", "r+b") as f:
+        f.truncate(8)
+    with pytest.raises(ValueError, match=f"^{shard / 'position_ids.offsets.bin'}: key 'position_ids': 8 bytes, expected 16"):
+        MmapStore().load(tmp_path)
+    np.array([0, 13], "<i8").tofile(shard / "position_ids.offsets.bin")
+    with pytest.raises(ValueError, match="position_ids.offsets.bin: key 'position_ids': runs 0 .. 13, expected 0 .. 12"):
+        MmapStore().load(tmp_path)
+
+
+def test_manifest_listing_a_missing_shard_fails_at_load(sft_dir, tmp_path):
+    manifest = json.loads((sft_dir / "manifest.json").read_text())
+    manifest["domains"][""].append({"name": "shard_00099", "records": 1, "tokens": 1})
+    write_manifest(tmp_path, manifest)
+    for p in sft_dir.glob("shard_*"):
+        (tmp_path / p.name).symlink_to(p)
+    with pytest.raises(ValueError, match="shards listed in manifest.json are missing: \\['shard_00099'\\]"):
+        MmapStore().load(tmp_path)
+
+
+def seed_shard(folder: Path, arrays: dict, offsets: dict) -> None:
+    """A shard as the seed writer left it: {key: {shape, dtype}} and optional inline offsets."""
+    folder.mkdir(parents=True)
+    meta = {}
+    for key, arr in arrays.items():
+        arr.tofile(folder / f"{key}.bin")
+        meta[key] = {"shape": [len(arr)], "dtype": arr.dtype.name}
+        if key in offsets:
+            meta[key]["offsets"] = offsets[key]
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+def test_seed_style_shards_load(tmp_path):
+    seed_shard(tmp_path / "dpo" / "0", {"chosen": np.arange(6, dtype=np.int32), "rejected": np.arange(3, dtype=np.int64)},
+               {"chosen": [0, 2, 6], "rejected": [0, 1, 3]})  # fmt: skip
+    seed_shard(tmp_path / "dpo" / "1", {"chosen": np.arange(2, dtype=np.int32), "rejected": np.arange(9, dtype=np.int64)},
+               {"chosen": [0, 2], "rejected": [0, 9]})  # fmt: skip
+    store = StoreFactory.create("bin").load(tmp_path / "dpo")
+    assert store.num_records == 3 and store.fetch_record(1, "chosen").tolist() == [2, 3, 4, 5]
+    assert store.fetch_record(2, "rejected").tolist() == list(range(9))
+    assert store.fetch(4, 7, "chosen").tolist() == [4, 5, 0]
+    assert verify_dataset(tmp_path / "dpo", require_manifest=False) == [] and store.verify() == []
+    seed_shard(tmp_path / "seq" / "a", {"sequence": np.arange(10, dtype=np.int32)}, {})
+    stream = StoreFactory.create("bin", window_size=4).load(tmp_path / "seq")
+    assert stream.num_records == 0 and len(stream) == 2 and stream[1]["sequence"].tolist() == [4, 5, 6, 7]
+    with pytest.raises(IndexError, match="record 0 out of range \\[0, 0\\)"):
+        stream.fetch_record(0, "sequence")
+
+
+def test_offsets_beyond_2_32_tokens(tmp_path):
+    """Record positions past 2**31 and 2**32 int32 tokens, in a sparse 16 GiB file that costs no disk."""
+    shard = tmp_path / "shard_00000"
+    shard.mkdir()
+    n = 2**32 + 40
+    starts = [0, 2**31 + 3, 2**32 + 5, 2**32 + 30, n]
+    with open(shard / "sequence.bin", "wb") as f:
+        f.truncate(n * 4)
+        for s in starts[1:-1]:
+            f.seek(s * 4)
+            f.write(np.arange(7, 12, dtype="<i4").tobytes())
+    np.array(starts, "<i8").tofile(shard / "sequence.offsets.bin")
+    meta = {"sequence": {"shape": [n], "dtype": "int32", "nbytes": n * 4,
+                         "offsets": {"file": "sequence.offsets.bin", "count": len(starts)}}}  # fmt: skip
+    (shard / "meta.json").write_text(json.dumps(meta))
+    store = StoreFactory.create("bin", window_size=2**20).load(tmp_path)
+    assert store.token_count == n and store.num_records == 4
+    assert store.fetch_record(1, "sequence")[:6].tolist() == [7, 8, 9, 10, 11, 0]
+    assert store.fetch_record(2, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 20
+    assert store.fetch(2**32 + 29, 2**32 + 33, "sequence").tolist() == [0, 7, 8, 9]
+    assert store.record_lengths("sequence").tolist() == [2**31 + 3, 2**31 + 2, 25, 10]
+    assert len(store) == (n - 1 - 2**20) // 2**20 + 1 == 4096
+
+
+# --- DataLoader workers ------------------------------------------------------------------------------
+def test_dataloader_workers_read_the_same_windows(sft_store):
+    assert len(pickle.dumps(sft_store)) < 20_000  # paths and metadata, never the mapped data
+    clone = pickle.loads(pickle.dumps(sft_store))
+    assert clone[17]["sequence"].tolist() == sft_store[17]["sequence"].tolist()
+    loader = torch.utils.data.DataLoader(sft_store, batch_size=4, num_workers=2)
+    batches = list(loader)
+    assert len(batches) == 5 and batches[-1]["sequence"].shape == (2, 8)
+    got = torch.cat([b["sequence"] for b in batches])
+    want = np.stack([concatenated("sequence")[i * 5 : i * 5 + 8] for i in range(18)])
+    assert got.tolist() == want.tolist()
+
+
+# --- format detection and the factory ------------------------------------------------------------------
+def test_detect_format(tmp_path, sft_dir):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "a.json").write_text("{}\n")
+    (tmp_path / "nested" / "deep").mkdir(parents=True)
+    (tmp_path / "nested" / "deep" / "b.jsonl").write_text("{}\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "only_bin").mkdir()
+    (tmp_path / "only_bin" / "x.bin").write_bytes(b"")
+    assert detect_format(sft_dir) == "bin"
+    assert detect_format(tmp_path / "a.jsonl") == "jsonl"
+    assert detect_format(tmp_path / "nested") == "jsonl"
+    assert detect_format(tmp_path) == "jsonl"  # *.bin without meta.json is not a shard
+    with pytest.raises(ValueError, match="cannot load a .json file"):
+        detect_format(tmp_path / "a.json")
+    with pytest.raises(FileNotFoundError, match="no shards .* and no \\*.jsonl files"):
+        detect_format(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        detect_format(tmp_path / "missing")
+
+
+def test_store_factory():
+    assert type(StoreFactory.create("bin")) is MmapStore and type(StoreFactory.create("jsonl")) is JsonlStore
+    store = StoreFactory.create("jsonl", window_size=16)
+    assert (store.window_size, store.stride) == (16, 16)
+    with pytest.raises(ValueError, match="unknown storage type 'parquet'; valid: \\['bin', 'jsonl'\\]"):
+        StoreFactory.create("parquet")
+    with pytest.raises(TypeError, match="unknown keyword\\(s\\) \\['window'\\]; valid: \\['window_size', 'stride'\\]"):
+        StoreFactory.create("bin", window=16)
+    with pytest.raises(ValueError, match="stride needs window_size"):
+        StoreFactory.create("bin", stride=3)
+    with pytest.raises(ValueError, match="window_size must be a positive int"):
+        StoreFactory.create("bin", window_size=0)
+
+
+# --- JSONL --------------------------------------------------------------------------------------------
+def write_jsonl(path: Path, lines) -> Path:
+    path.write_text("".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def char_transform(record):
+    ids = np.frombuffer(record["text"].encode(), np.uint8).astype(np.int32)
+    return {"sequence": ids, "loss_mask": ids != ord(" ")}
+
+
+def test_jsonl_eager_transform_over_a_folder(tmp_path):
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "cd e"}])
+    write_jsonl(tmp_path / "a.jsonl", [{"text": "ab"}, "\n", {"text": "x"}])
+    (tmp_path / "sub").mkdir()
+    write_jsonl(tmp_path / "sub" / "c.jsonl", [{"text": "ignored: not top level"}])
+    store = StoreFactory.create("jsonl", window_size=3).load(tmp_path, transform=char_transform)
+    assert store.num_records == 3 and store.token_count == 7 and len(store) == 2
+    assert bytes(store.fetch(0, 7, "sequence").numpy().astype(np.uint8)) == b"abxcd e"
+    assert store.fetch_record(2, "loss_mask").tolist() == [True, True, False, True]
+    assert store[1]["sequence"].tolist() == [ord(c) for c in "cd "]
+
+
+def test_jsonl_lazy_processor_indexes_lines_only(tmp_path):
+    calls = []
+
+    def processor(record):
+        calls.append(record["text"])
+        return char_transform(record)
+
+    path = write_jsonl(tmp_path / "data.jsonl", [{"text": "hello"}, "\n", "  \n", {"text": "hi"}, "not json\n"])
+    store = JsonlStore().load(path, processor=processor)
+    assert store.num_records == len(store) == 3 and calls == []
+    assert store._line_pos.dtype == np.int64 and store._line_pos.tolist() == [0, 20, 35]
+    assert store.fetch_record(1, "sequence").tolist() == [104, 105] and calls == ["hi"]
+    assert store.keys == ["sequence", "loss_mask"]
+    with pytest.raises(ValueError, match=f"^{path}:6: not valid JSON"):
+        store.fetch_record(2, "sequence")
+    with pytest.raises(ValueError, match="reads records only"):
+        store.fetch(0, 1, "sequence")
+
+
+def test_jsonl_bad_line_names_file_and_line(tmp_path):
+    path = write_jsonl(tmp_path / "data.jsonl", [{"text": "ok"}, "\n", "[1, 2]\n"])
+    with pytest.raises(ValueError, match=f"^{path}:3: expected a JSON object, got list"):
+        JsonlStore().load(path, transform=char_transform)
+    path = write_jsonl(tmp_path / "data.jsonl", [{"text": "ok"}, {"txt": "typo"}])
+    with pytest.raises(ValueError, match=f"^{path}:2: 'text'"):
+        JsonlStore().load(path, transform=char_transform)
+    with pytest.raises(ValueError, match="field 'text' is not a list of numbers; give transform="):
+        JsonlStore().load(path)
+
+
+def test_jsonl_storage_format_reads_back_like_bin(tmp_path):
+    """The pipeline's `storage_format: jsonl` output loads as pre-tokenized records with its dtypes."""
+    records = list(grpo_records())
+    for fmt in ("bin", "jsonl"):
+        with ShardWriter(tmp_path / fmt / "web", GRPO, "prompts", 12, storage_format=fmt) as writer:
+            for record in records:
+                writer.add(record)
+        manifest = {"storage_format": fmt, "keys": GRPO, "domains": {"web": writer.published}}
+        write_manifest(tmp_path / fmt, manifest)
+    (tmp_path / "jsonl" / "rejects.jsonl").write_text('{"source": "x"}\n')
+    assert detect_format(tmp_path / "jsonl") == "jsonl"
+    binary, text = MmapStore().load(tmp_path / "bin"), JsonlStore().load(tmp_path / "jsonl")
+    assert text.num_records == binary.num_records == 9 and text.keys == binary.keys
+    for i in range(9):
+        a, b = binary.fetch_record(i, list(GRPO)), text.fetch_record(i, list(GRPO))
+        assert a["prompts"].equal(b["prompts"]) and a["rewards"].equal(b["rewards"])
+        assert all(x.equal(y) for x, y in zip(a["masks"], b["masks"], strict=True))
+        assert all(x.equal(y) for x, y in zip(a["responses"], b["responses"], strict=True))
+
+
+# --- JSONL through a PipelineConfig and a real tokenizer ---------------------------------------------
+TOKENIZER = ROOT / "data" / "tokenizers" / "qwen2.5"
+
+
+def chats(tmp_path: Path, n: int) -> Path:
+    lines = (ROOT / "data" / "chat_sharegpt_1000.jsonl").read_text().splitlines(keepends=True)[:n]
+    return write_jsonl(tmp_path / "chat.jsonl", lines)
+
+
+def test_jsonl_builtin_messages_transform(tmp_path):
+    from tokenmill.config import default_config
+    from tokenmill.masking import RecordMasker
+    from tokenmill.templates import load_tokenizer
+
+    path = chats(tmp_path, 6)
+    store = JsonlStore().load(path, tokenizer_path=TOKENIZER)
+    masker = RecordMasker(default_config("sft"), load_tokenizer(TOKENIZER))
+    want = [masker.process(json.loads(line)) for line in path.read_text().splitlines()]
+    assert store.keys == ["sequence", "loss_mask", "position_ids"] and store.num_records == 6
+    for i, record in enumerate(want):
+        got = store.fetch_record(i, store.keys)
+        assert got["loss_mask"].dtype == torch.bool and got["sequence"].dtype == torch.int32
+        assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in record.items()}
+    first = store.fetch_record(0, ["sequence", "loss_mask"])
+    assert first["sequence"][:3].tolist() == [151644, 8948, 198]  # <|im_start|>system\n (the default system prompt)
+    assert not first["loss_mask"][:3].any() and first["loss_mask"].any()
+
+
+def test_jsonl_dataset_config_beside_the_data(tmp_path):
+    path = chats(tmp_path, 3)
+    config = {"input": {"sections": [{"field": "messages", "template": True, "action": "train"}]},
+              "preprocessing": {"min_chars": 1}, "output": {"position_ids_mode": "none"},
+              "tokenizer_path": str(TOKENIZER.relative_to(ROOT))}  # fmt: skip
+    (tmp_path / "dataset_config.json").write_text(json.dumps(config))
+    (tmp_path / "data").symlink_to(ROOT / "data")  # the relative tokenizer_path resolves here
+    store = JsonlStore().load(tmp_path / "chat.jsonl")
+    assert store.keys == ["sequence", "loss_mask"] and store.num_records == 3
+    assert store.fetch_record(0, "loss_mask").all()  # every role trains under action "train"
+    assert store.fetch_record(0, "sequence")[:3].tolist() == [151644, 8948, 198]

@@ -1,0 +1,621 @@
+"""Stores: a dataset folder of shards, or raw JSONL, -> tensors by window or by record.
+
+Sits between shards.py (the on-disk format) and datasets.py. `fetch(begin, end, keys)`
+reads a key's stream across shard boundaries; `fetch_record(i, keys)` reads record i by
+offsets. MmapStore maps files read-only, so DataLoader workers share the page cache;
+JsonlStore keeps transformed records in the same layout, or processes them lazily.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+from tokenmill.shards import (
+    DTYPES,
+    OFFSET_DTYPE,
+    Column,
+    ShardBuffer,
+    find_shards,
+    is_list_value,
+    is_tmp,
+    primary_key,
+    read_manifest,
+    read_meta,
+    shard_records,
+    verify_dataset,
+)
+
+Transform = Callable[[dict], dict]
+
+
+def window_count(token_count: int, window_size: int, stride: int) -> int:
+    """Windows [i*stride, i*stride + window_size) that leave one more token for the shifted target."""
+    if token_count <= window_size:
+        return 0
+    return (token_count - 1 - window_size) // stride + 1
+
+
+def window_bounds(i: int, window_size: int, stride: int) -> tuple[int, int]:
+    return i * stride, i * stride + window_size
+
+
+def detect_format(path: str | Path) -> str:
+    """'bin' for a folder of shards, 'jsonl' for a .jsonl file or a folder of them."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            return "jsonl"
+        raise ValueError(
+            f"{path}: cannot load a {path.suffix or 'suffix-less'} file; give a .jsonl file or a folder"
+        )
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+
+    def any_below(pattern: str) -> bool:
+        return any(not is_tmp(p.relative_to(path)) for p in path.rglob(pattern))
+
+    if any_below("*.bin") and any_below("meta.json"):
+        return "bin"
+    if any_below("*.jsonl"):
+        return "jsonl"
+    raise FileNotFoundError(f"{path}: no shards (*.bin + meta.json) and no *.jsonl files below it")
+
+
+def to_tensor(values: Any) -> torch.Tensor:
+    """A writable copy of just these values (memmap slices are read-only)."""
+    return torch.from_numpy(np.array(values))
+
+
+@dataclass
+class Segment:
+    """One shard (or one in-memory JSONL load): its columns and record count."""
+
+    name: str
+    columns: dict[str, Column]
+    records: int
+
+
+class Store:
+    """Stream access (`fetch`, `sample_window`) and record access (`fetch_record`) over segments."""
+
+    def __init__(self, window_size: int | None = None, stride: int | None = None):
+        for name, value in (("window_size", window_size), ("stride", stride)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if stride is not None and window_size is None:
+            raise ValueError("stride needs window_size")
+        self.window_size = window_size
+        self.stride = stride or window_size
+        self._segments: list[Segment] | None = None
+
+    def load(self, path: str | Path, **options: Any) -> Store:
+        raise NotImplementedError
+
+    # --- layout --------------------------------------------------------------------------
+    def _set_segments(self, segments: list[Segment]) -> None:
+        """Checks every segment has the first one's keys and dtypes; builds cumulative starts."""
+        first = segments[0].columns
+        for seg in segments[1:]:
+            if seg.columns.keys() != first.keys():
+                raise ValueError(
+                    f"{seg.name}: keys {sorted(seg.columns)} differ from {segments[0].name}'s {sorted(first)}"
+                )
+            for key, col in seg.columns.items():
+                if col.values.dtype != first[key].values.dtype:
+                    raise ValueError(
+                        f"{seg.name}: key {key!r} is {col.values.dtype}, {segments[0].name} has {first[key].values.dtype}"
+                    )
+        self._keys = list(first)
+        self._starts = {
+            k: _cumulative([len(s.columns[k].values) for s in segments]) for k in self._keys
+        }
+        self._record_starts = _cumulative([s.records for s in segments])
+        self._segments = segments
+
+    def _loaded(self) -> list[Segment]:
+        if self._segments is None:
+            raise RuntimeError("Store not loaded")
+        return self._segments
+
+    def _key(self, key: str) -> str:
+        if key not in self.keys:
+            raise KeyError(f"key {key!r} is not in this store; keys: {self.keys}")
+        return key
+
+    @property
+    def keys(self) -> list[str]:
+        self._loaded()
+        return list(self._keys)
+
+    @property
+    def token_count(self) -> int:
+        """Elements of the primary stream key (`sequence`, else the first key)."""
+        self._loaded()
+        return int(self._starts[primary_key(self._keys)][-1])
+
+    @property
+    def num_records(self) -> int:
+        self._loaded()
+        return int(self._record_starts[-1])
+
+    @property
+    def num_samples(self) -> int:
+        if self.window_size is None:
+            raise ValueError(
+                "this store has no window_size; create it with StoreFactory.create(fmt, window_size=N)"
+            )
+        return window_count(self.token_count, self.window_size, self.stride or self.window_size)
+
+    def __len__(self) -> int:
+        return self.num_samples if self.window_size is not None else self.num_records
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if self.window_size is None:
+            return self.fetch_record(i, self.keys)
+        return self.fetch(*self.sample_window(i), self.keys)
+
+    # --- stream access -------------------------------------------------------------------
+    def sample_window(self, i: int) -> tuple[int, int]:
+        """[begin, end) of window i; the token at `end` exists, for the shifted target."""
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"window {i} out of range [0, {self.num_samples})")
+        return window_bounds(i, self.window_size or 0, self.stride or 0)
+
+    def fetch(self, begin: int, end: int, keys: str | list[str]) -> Any:
+        """Elements [begin, end) of each key's stream (all segments concatenated)."""
+        self._loaded()
+        if isinstance(keys, str):
+            return self._fetch(begin, end, self._key(keys))
+        return {key: self._fetch(begin, end, self._key(key)) for key in keys}
+
+    def _fetch(self, begin: int, end: int, key: str) -> torch.Tensor:
+        starts = self._starts[key]
+        if not 0 <= begin <= end <= starts[-1]:
+            raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
+        segments = self._loaded()
+        s = min(int(np.searchsorted(starts, begin, "right")) - 1, len(segments) - 1)
+        pieces, pos = [], begin
+        while pos < end:
+            stop = min(end, int(starts[s + 1]))
+            pieces.append(segments[s].columns[key].values[pos - starts[s] : stop - starts[s]])
+            pos, s = stop, s + 1
+        if len(pieces) == 1:
+            return to_tensor(pieces[0])
+        dtype = segments[0].columns[key].values.dtype
+        return torch.from_numpy(np.concatenate(pieces) if pieces else np.empty(0, dtype))
+
+    # --- record access -------------------------------------------------------------------
+    def fetch_record(self, i: int, keys: str | list[str]) -> Any:
+        """Record i by offsets: a tensor per plain key, a list of tensors per list key."""
+        segments = self._loaded()
+        if not 0 <= i < self.num_records:
+            raise IndexError(f"record {i} out of range [0, {self.num_records})")
+        s = int(np.searchsorted(self._record_starts, i, "right")) - 1
+        seg, local = segments[s], i - int(self._record_starts[s])
+        if isinstance(keys, str):
+            return _record_value(seg, self._key(keys), local)
+        return {key: _record_value(seg, self._key(key), local) for key in keys}
+
+    def record_lengths(self, key: str) -> np.ndarray:
+        """Elements of `key` in each record (all items of a list key), from offsets alone."""
+        parts = []
+        for seg in self._loaded():
+            col = seg.columns[self._key(key)]
+            if col.offsets is None:
+                raise ValueError(f"{seg.name}: key {key!r} has no record offsets")
+            bounds = np.asarray(
+                col.offsets if col.items is None else col.items[np.asarray(col.offsets)]
+            )
+            parts.append(np.diff(bounds))
+        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+
+
+def _cumulative(lengths: list[int]) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _record_value(seg: Segment, key: str, local: int) -> Any:
+    col = seg.columns[key]
+    if col.offsets is None:
+        raise ValueError(
+            f"{seg.name}: key {key!r} has no record offsets, so it reads only as a stream (fetch)"
+        )
+    a, b = int(col.offsets[local]), int(col.offsets[local + 1])
+    if col.items is None:
+        return to_tensor(col.values[a:b])
+    items = np.asarray(col.items[a : b + 1])
+    return [to_tensor(col.values[items[j] : items[j + 1]]) for j in range(b - a)]
+
+
+# --- shards on disk ---------------------------------------------------------------------------
+class MmapStore(Store):
+    """Every shard below a folder, memory-mapped read-only; opening costs O(shards), not O(records)."""
+
+    def load(
+        self,
+        path: str | Path,
+        transform: Any = None,
+        processor: Any = None,
+        tokenizer_path: Any = None,
+    ) -> MmapStore:
+        """Maps the shards below `path`; checks every file's size against meta.json.
+
+        `tokenizer_path` is accepted and unused: shards are already tokenized.
+        """
+        if transform is not None or processor is not None:
+            raise ValueError(
+                "MmapStore reads tokenized shards; transform= and processor= are for JsonlStore"
+            )
+        root = Path(path)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: not a folder of shards")
+        self.manifest = read_manifest(root)
+        shards = find_shards(root)
+        if not shards:
+            raise FileNotFoundError(f"{root}: no shard (a folder with meta.json) below it")
+        self._check_manifest(root, shards)
+        self.root = root
+        self._metas = [
+            (str(d.relative_to(root)) if d != root else ".", read_meta(d)) for d in shards
+        ]
+        self._map()
+        return self
+
+    def _check_manifest(self, root: Path, shards: list[Path]) -> None:
+        if not self.manifest:
+            return
+        listed = {
+            f"{d}/{info['name']}" if d else info["name"]
+            for d, infos in self.manifest.get("domains", {}).items()
+            for info in infos
+        }
+        found = {d.relative_to(root).as_posix() for d in shards}
+        missing = sorted(n for n in listed - found if not n.endswith(".jsonl"))
+        if missing:
+            raise ValueError(
+                f"{root}: shards listed in manifest.json are missing: {missing[:5]}; run `tokenmill verify {root}`"
+            )
+
+    def _map(self) -> None:
+        self._set_segments([_map_shard(self.root / rel, rel, meta) for rel, meta in self._metas])
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the data: a hash over every shard's name and meta.json (sizes, checksums)."""
+        self._loaded()
+        digest = hashlib.sha256()
+        for rel, meta in self._metas:
+            digest.update(f"{rel}\n{json.dumps(meta, sort_keys=True)}\n".encode())
+        return digest.hexdigest()[:16]
+
+    def verify(self) -> list[str]:
+        """Every size, checksum and offsets problem of the dataset; [] when sound."""
+        self._loaded()
+        return verify_dataset(self.root, require_manifest=self.manifest is not None)
+
+    def __getstate__(self) -> dict:
+        """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
+        state = dict(self.__dict__)
+        if state.get("_segments") is not None:
+            state.update(_segments=None, _starts=None, _record_starts=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if getattr(self, "_metas", None) is not None:
+            self._map()
+
+
+def _map_shard(shard: Path, rel: str, meta: dict) -> Segment:
+    columns = {}
+    for key, entry in meta.items():
+        values = _map_file(shard / f"{key}.bin", entry["dtype"], entry["shape"][0], key)
+        items = _map_bounds(shard, key, entry.get("items"), len(values))
+        below = len(values) if items is None else len(items) - 1
+        offsets = _map_bounds(shard, key, entry.get("offsets"), below)
+        columns[key] = Column(values, offsets, items)
+    return Segment(rel, columns, shard_records(meta))
+
+
+def _map_file(path: Path, dtype: str, count: int, key: str) -> np.ndarray:
+    """np.memmap of a flat file, after checking its size: a truncated shard fails here."""
+    expected = count * DTYPES[dtype].itemsize
+    size = path.stat().st_size if path.is_file() else None
+    if size != expected:
+        found = "missing" if size is None else f"{size} bytes"
+        raise ValueError(
+            f"{path}: key {key!r}: {found}, expected {expected} bytes ({count} x {dtype}); the shard is truncated or corrupted, run `tokenmill verify`"
+        )
+    if count == 0:
+        return np.empty(0, DTYPES[dtype])
+    return np.memmap(path, dtype=DTYPES[dtype], mode="r", shape=(count,))
+
+
+def _map_bounds(shard: Path, key: str, bounds: Any, last: int) -> np.ndarray | None:
+    """Offsets or items of a key (file or seed-style inline list), first and last value checked."""
+    if bounds is None:
+        return None
+    if isinstance(bounds, list):
+        where, values = (
+            f"{shard / 'meta.json'}: key {key!r}: inline offsets",
+            np.asarray(bounds, OFFSET_DTYPE),
+        )
+    else:
+        where = f"{shard / bounds['file']}: key {key!r}"
+        values = _map_file(shard / bounds["file"], "int64", bounds["count"], key)
+    if len(values) == 0 or values[0] != 0 or values[-1] != last:
+        ends = f"{values[0]} .. {values[-1]}" if len(values) else "nothing"
+        raise ValueError(f"{where}: runs {ends}, expected 0 .. {last}; run `tokenmill verify`")
+    return values
+
+
+# --- raw JSONL ----------------------------------------------------------------------------------
+class JsonlStore(Store):
+    """A .jsonl file or a folder's sorted top-level *.jsonl, transformed eagerly or processed lazily."""
+
+    def load(
+        self,
+        path: str | Path,
+        transform: Transform | None = None,
+        processor: Transform | None = None,
+        tokenizer_path: str | Path | None = None,
+    ) -> JsonlStore:
+        """Eager transform: `transform=`, else dataset_config.json beside the data, else the
+        built-in `messages` (sft) config when `tokenizer_path` is given, else the records must
+        already hold token lists (as `storage_format: jsonl` writes them). `processor=`: lazy."""
+        if transform is not None and processor is not None:
+            raise ValueError("give transform= (eager) or processor= (lazy), not both")
+        self.files, stored_dtypes = jsonl_inputs(Path(path))
+        self.skipped: dict[str, int] = {}
+        if processor is not None:
+            self.processor = processor
+            self._index_lines()
+            return self
+        self.processor = None
+        apply, dtypes = _choose_transform(Path(path), transform, tokenizer_path)
+        dtypes = stored_dtypes if apply is _pretokenized and stored_dtypes else dtypes
+        buffer, digest = ShardBuffer(dtypes), hashlib.sha256()
+        for source, line, text in _read_lines(self.files, digest):
+            try:
+                out = apply(_parse(text), source, line)
+            except Exception as err:
+                if getattr(err, "reason", None) in _filter_reasons():
+                    self.skipped[err.reason] = self.skipped.get(err.reason, 0) + 1  # type: ignore[attr-defined]
+                    continue
+                raise _located(err, source, line) from err
+            buffer.add(out)
+        if not buffer.records:
+            raise ValueError(f"{path}: no records to load (skipped: {self.skipped or 'none'})")
+        self.fingerprint = digest.hexdigest()[:16]
+        self._set_segments([Segment(str(path), buffer.build(), buffer.records)])
+        return self
+
+    # --- lazy mode: an int64 array of line positions, one record processed per fetch -----
+    def _index_lines(self) -> None:
+        digest, per_file = hashlib.sha256(), []
+        for f in self.files:
+            per_file.append(_line_starts(f, digest))
+        self._file_starts = _cumulative([len(p) for p in per_file])
+        self._line_pos = np.concatenate(per_file) if per_file else np.empty(0, np.int64)
+        self.fingerprint = digest.hexdigest()[:16]
+        self._segments = None
+        self._lazy_keys: list[str] | None = None
+
+    @property
+    def lazy(self) -> bool:
+        return getattr(self, "processor", None) is not None
+
+    def _lazy_only(self, what: str) -> None:
+        raise ValueError(
+            f"{what}: a JsonlStore loaded with processor= reads records only (fetch_record)"
+        )
+
+    @property
+    def keys(self) -> list[str]:
+        if not self.lazy:
+            return super().keys
+        if self._lazy_keys is None:
+            self._lazy_keys = list(self._process(0))
+        return list(self._lazy_keys)
+
+    @property
+    def num_records(self) -> int:
+        return len(self._line_pos) if self.lazy else super().num_records
+
+    @property
+    def token_count(self) -> int:
+        return self._lazy_only("token_count") if self.lazy else super().token_count  # type: ignore[func-returns-value]
+
+    def __len__(self) -> int:
+        return self.num_records if self.lazy else super().__len__()
+
+    def fetch(self, begin: int, end: int, keys: str | list[str]) -> Any:
+        return self._lazy_only("fetch") if self.lazy else super().fetch(begin, end, keys)
+
+    def record_lengths(self, key: str) -> np.ndarray:
+        return self._lazy_only("record_lengths") if self.lazy else super().record_lengths(key)  # type: ignore[func-returns-value]
+
+    def fetch_record(self, i: int, keys: str | list[str]) -> Any:
+        if not self.lazy:
+            return super().fetch_record(i, keys)
+        if not 0 <= i < self.num_records:
+            raise IndexError(f"record {i} out of range [0, {self.num_records})")
+        out = self._process(i)
+        if isinstance(keys, str):
+            keys = [keys]
+            single = True
+        else:
+            single = False
+        missing = [k for k in keys if k not in out]
+        if missing:
+            raise KeyError(f"keys {missing} are not in the processed record; keys: {list(out)}")
+        result = {
+            k: [to_tensor(v) for v in out[k]] if is_list_value(out[k]) else to_tensor(out[k])
+            for k in keys
+        }
+        return result[keys[0]] if single else result
+
+    def _process(self, i: int) -> dict:
+        f = int(np.searchsorted(self._file_starts, i, "right")) - 1
+        source, pos = self.files[f], int(self._line_pos[i])
+        with open(source, "rb") as fh:
+            fh.seek(pos)
+            text = fh.readline()
+        try:
+            return dict(self.processor(_parse(text)))  # type: ignore[misc]
+        except Exception as err:
+            raise _located(err, str(source), _line_number(source, pos)) from err
+
+
+def jsonl_inputs(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The files to read and, for a dataset written with `storage_format: jsonl`, its dtypes."""
+    if path.is_file():
+        if path.suffix != ".jsonl":
+            raise ValueError(
+                f"{path}: JsonlStore reads .jsonl files, got {path.suffix or 'no suffix'}"
+            )
+        return [path], None
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    manifest = read_manifest(path)
+    if manifest and manifest.get("storage_format") == "jsonl":
+        names = [
+            f"{d}/{i['name']}" if d else i["name"]
+            for d, infos in manifest["domains"].items()
+            for i in infos
+        ]
+        return [path / n for n in names], manifest.get("keys")
+    files = sorted(p for p in path.glob("*.jsonl") if not is_tmp(Path(p.name)))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.jsonl files at its top level")
+    return files, None
+
+
+def _choose_transform(
+    path: Path, transform: Transform | None, tokenizer_path: str | Path | None
+) -> tuple[Callable, dict | None]:
+    """The first of: transform=, dataset_config.json beside the data, the built-in sft config, pre-tokenized."""
+    if transform is not None:
+        return (lambda record, source, line: transform(record)), None
+    folder = path if path.is_dir() else path.parent
+    config_file = folder / "dataset_config.json"
+    if config_file.is_file():
+        from tokenmill.config import PipelineConfig
+
+        data = json.loads(config_file.read_text())
+        configured = data.pop("tokenizer_path", None)
+        tokenizer = tokenizer_path or (folder / configured if configured else folder)
+        return _masker(PipelineConfig.from_dict(data, origin=str(config_file)), tokenizer)
+    if tokenizer_path is not None:
+        from tokenmill.config import default_config
+
+        return _masker(default_config("sft"), tokenizer_path)
+    return _pretokenized, None
+
+
+def _masker(config: Any, tokenizer_path: str | Path) -> tuple[Callable, dict]:
+    from tokenmill.masking import RecordMasker
+    from tokenmill.templates import load_tokenizer
+
+    masker = RecordMasker(config, load_tokenizer(tokenizer_path))
+    return masker.process, masker.dtypes()
+
+
+def _pretokenized(record: dict, source: str, line: int) -> dict:
+    """Records that already hold arrays: lists of numbers, or lists of such lists (list keys)."""
+    out = {}
+    for key, value in record.items():
+        items = value if isinstance(value, list) and value and isinstance(value[0], list) else None
+        arrays = [np.asarray(v) for v in (items if items is not None else [value])]
+        if any(a.dtype.kind not in "iufb" or a.ndim != 1 for a in arrays):
+            raise ValueError(
+                f"{source}:{line}: field {key!r} is not a list of numbers; give transform=, "
+                "a dataset_config.json or tokenizer_path to tokenize raw records"
+            )
+        arrays = [a.astype(np.float32) if a.dtype.kind == "f" else a for a in arrays]
+        out[key] = arrays if items is not None else arrays[0]
+    return out
+
+
+def _read_lines(files: list[Path], digest: Any) -> Any:
+    """(source, 1-based line, text) of every non-blank line; the digest sees every byte."""
+    for path in files:
+        with open(path, "rb") as f:
+            for number, text in enumerate(f, 1):
+                digest.update(text)
+                if text.strip():
+                    yield str(path), number, text
+
+
+def _parse(text: bytes) -> dict:
+    try:
+        record = orjson.loads(text)
+    except orjson.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON: {err}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _located(err: Exception, source: str, line: int) -> Exception:
+    """The error with the record's file and line (a RecordError is rebuilt with them)."""
+    if all(hasattr(err, a) for a in ("field", "message", "reason")):
+        return type(err)(source, line, err.field, err.message, err.reason)  # type: ignore[attr-defined, call-arg]
+    text = str(err)
+    return ValueError(text if text.startswith(f"{source}:") else f"{source}:{line}: {text}")
+
+
+def _filter_reasons() -> tuple[str, ...]:
+    from tokenmill.masking import FILTER_REASONS
+
+    return tuple(FILTER_REASONS)
+
+
+def _line_starts(path: Path, digest: Any) -> np.ndarray:
+    """Byte positions of the non-blank lines of a file, found with numpy in 16 MiB chunks."""
+    newlines, base = [], 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+            newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + base)
+            base += len(chunk)
+    ends = np.concatenate([*newlines, [base]]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
+    keep = (ends - starts) > 0
+    return starts[keep]
+
+
+def _line_number(path: Path, pos: int) -> int:
+    with open(path, "rb") as f:
+        return f.read(pos).count(b"\n") + 1
+
+
+# --- choosing a store by name ------------------------------------------------------------------
+STORES: dict[str, type[Store]] = {"bin": MmapStore, "jsonl": JsonlStore}
+STORE_OPTIONS = ("window_size", "stride")
+
+
+class StoreFactory:
+    """Picks the store class for a storage format name ('bin' or 'jsonl')."""
+
+    @staticmethod
+    def create(storage_type: str, **options: Any) -> Store:
+        if storage_type not in STORES:
+            raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(STORES)}")
+        unknown = sorted(set(options) - set(STORE_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"StoreFactory.create: unknown keyword(s) {unknown}; valid: {list(STORE_OPTIONS)}"
+            )
+        return STORES[storage_type](**options)
