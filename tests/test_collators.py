@@ -80,7 +80,10 @@ def test_default_refuses_unequal_lengths_and_missing_keys():
 
 
 def test_sft_padding_exact():
-    samples = [sft_item([10, 11, 12, 13], [0, 0, 1, 1], [0, 1, 2, 3]), sft_item([20, 21], [0, 1], [0, 1])]
+    samples = [
+        sft_item([10, 11, 12, 13], [0, 0, 1, 1], [0, 1, 2, 3]),
+        sft_item([20, 21], [0, 1], [0, 1]),
+    ]
     batch = SFTPaddingCollator(pad_id=7).collate(samples)
     assert_batch(
         batch,
@@ -95,7 +98,9 @@ def test_sft_padding_exact():
     masked = SFTPaddingCollator(pad_id=7, mask_targets=True)(samples)
     assert torch.equal(masked["target_ids"], L(-100, 12, 13, 21, -100, -100).view(2, 3))
     # seq items (no loss_mask, no position_ids) pad too
-    seq = SFTPaddingCollator()([{"input_ids": L(1), "target_ids": L(2)}, {"input_ids": L(3, 4), "target_ids": L(4, 5)}])
+    seq = SFTPaddingCollator()(
+        [{"input_ids": L(1), "target_ids": L(2)}, {"input_ids": L(3, 4), "target_ids": L(4, 5)}]
+    )
     assert_batch(
         seq,
         {
@@ -108,8 +113,18 @@ def test_sft_padding_exact():
 
 def test_dpo_padding_to_one_common_length():
     samples = [
-        {"chosen": L(1, 2, 3), "rejected": L(1, 9), "chosen_mask": B(0, 1, 1), "rejected_mask": B(0, 1)},
-        {"chosen": L(4, 5), "rejected": L(4, 6, 6, 6), "chosen_mask": B(0, 1), "rejected_mask": B(0, 1, 1, 1)},
+        {
+            "chosen": L(1, 2, 3),
+            "rejected": L(1, 9),
+            "chosen_mask": B(0, 1, 1),
+            "rejected_mask": B(0, 1),
+        },
+        {
+            "chosen": L(4, 5),
+            "rejected": L(4, 6, 6, 6),
+            "chosen_mask": B(0, 1),
+            "rejected_mask": B(0, 1, 1, 1),
+        },
     ]
     assert_batch(
         DPOPaddingCollator(pad_id=0).collate(samples),
@@ -132,7 +147,12 @@ def test_grpo_padding_left_prompts_right_responses_and_group_mask():
             "masks": [B(1), B(1, 1)],
             "rewards": torch.tensor([1.0, 0.0]),
         },
-        {"prompts": L(7), "responses": [L(8, 9, 10)], "masks": [B(0, 1, 1)], "rewards": torch.tensor([0.5])},
+        {
+            "prompts": L(7),
+            "responses": [L(8, 9, 10)],
+            "masks": [B(0, 1, 1)],
+            "rewards": torch.tensor([0.5]),
+        },
     ]
     assert_batch(
         GRPOPaddingCollator(pad_id=0).collate(samples),
@@ -149,7 +169,10 @@ def test_grpo_padding_left_prompts_right_responses_and_group_mask():
 
 
 def test_packed_concatenates_with_cu_seqlens_and_reset_positions():
-    samples = [sft_item([1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3]), sft_item([5, 6, 7], [0, 0, 1], [0, 1, 2])]
+    samples = [
+        sft_item([1, 2, 3, 4], [0, 1, 1, 1], [0, 1, 2, 3]),
+        sft_item([5, 6, 7], [0, 0, 1], [0, 1, 2]),
+    ]
     assert_batch(
         PackedCollator().collate(samples),
         {
@@ -166,7 +189,11 @@ def test_packed_concatenates_with_cu_seqlens_and_reset_positions():
 
 def test_packed_splits_windows_at_stored_position_restarts_and_pads():
     # one window holding the end of a document (positions 7, 8) and a new one (0, 1, 2)
-    window = {"input_ids": L(1, 2, 3, 4, 5), "target_ids": L(2, 3, 4, 5, 6), "position_ids": L(7, 8, 0, 1, 2)}
+    window = {
+        "input_ids": L(1, 2, 3, 4, 5),
+        "target_ids": L(2, 3, 4, 5, 6),
+        "position_ids": L(7, 8, 0, 1, 2),
+    }
     other = {"input_ids": L(9), "target_ids": L(10), "position_ids": L(0)}
     batch = PackedCollator(pad_id=0, pad_to=8)([window, other])
     assert_batch(
@@ -235,6 +262,8 @@ def test_default_collator_with_two_workers():
         def __getitem__(self, i: int) -> dict:
             return {"input_ids": torch.full((3,), i), "target_ids": torch.full((3,), i + 1)}
 
-    batches = list(DataLoader(Fixed(), batch_size=3, num_workers=2, collate_fn=DefaultBatchCollator()))
+    batches = list(
+        DataLoader(Fixed(), batch_size=3, num_workers=2, collate_fn=DefaultBatchCollator())
+    )
     assert torch.equal(batches[1]["input_ids"], torch.tensor([[3, 3, 3], [4, 4, 4], [5, 5, 5]]))
     assert torch.equal(batches[0]["target_ids"][:, 0], torch.tensor([1, 2, 3]))

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from tokenmill.config import default_config
+from tokenmill.config import PipelineConfig, default_config
 from tokenmill.dataflow.collators import SFTPaddingCollator
 from tokenmill.datasets import (
     DATASETS,
@@ -32,9 +32,12 @@ TOKENIZER = DATA / "tokenizers" / "qwen2.5"
 IM_START, IM_END = 151644, 151645  # Qwen2.5 "<|im_start|>", "<|im_end|>"
 WINDOW = 64
 
-HAVE_PIPELINE = all(importlib.util.find_spec(f"tokenmill.{m}") for m in ("pipeline", "store", "records"))
+HAVE_PIPELINE = all(
+    importlib.util.find_spec(f"tokenmill.{m}") for m in ("pipeline", "store", "records")
+)
 pytestmark = pytest.mark.skipif(
-    not HAVE_PIPELINE, reason="needs tokenmill.pipeline and tokenmill.store to write and read real shards"
+    not HAVE_PIPELINE,
+    reason="needs tokenmill.pipeline and tokenmill.store to write and read real shards",
 )
 
 # train type -> (shipped file, records used)
@@ -72,8 +75,12 @@ def shards(raw: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
     for train_type, path in raw.items():
         out[train_type] = tmp_path_factory.mktemp(f"bin_{train_type}")
         Pipeline(
-            default_config(train_type), [path], output_dir=out[train_type], tokenizer_path=TOKENIZER,
-            workers=1, overwrite=True,
+            default_config(train_type),
+            [path],
+            output_dir=out[train_type],
+            tokenizer_path=TOKENIZER,
+            workers=1,
+            overwrite=True,
         ).run()
     return out
 
@@ -84,7 +91,9 @@ def tokenizer() -> Tokenizer:
 
 
 def load(train_type: str, path: Path, **kwargs):
-    return DatasetFactory.load(train_type, path, window_size=WINDOW, tokenizer_path=TOKENIZER, **kwargs)
+    return DatasetFactory.load(
+        train_type, path, window_size=WINDOW, tokenizer_path=TOKENIZER, **kwargs
+    )
 
 
 def assert_items_equal(a: dict, b: dict) -> None:
@@ -131,6 +140,28 @@ def test_bin_and_raw_jsonl_routes_give_identical_items(
         assert offline.sample_length(i) == online.sample_length(i)
 
 
+@pytest.mark.parametrize("train_type", list(INPUTS))
+def test_pipeline_jsonl_output_loads_as_pretokenized_records(
+    train_type: str, shards: dict[str, Path], raw: dict[str, Path], tmp_path: Path
+):
+    from tokenmill.pipeline import Pipeline
+
+    config = default_config(train_type).model_dump(mode="json")
+    config["output"]["storage_format"] = "jsonl"
+    Pipeline(
+        PipelineConfig.from_dict(config),
+        [raw[train_type]],
+        output_dir=tmp_path,
+        tokenizer_path=TOKENIZER,
+        workers=1,
+    ).run()
+    written, offline = load(train_type, tmp_path), load(train_type, shards[train_type])
+    assert type(written.store).__name__ == "JsonlStore" and not written.store.lazy
+    assert len(written) == len(offline) > 0
+    for i in range(len(offline)):
+        assert_items_equal(written[i], offline[i])
+
+
 def test_prebuilt_store_bypasses_path_and_format(shards: dict[str, Path]):
     store = load("sft", shards["sft"]).store
     ds = DatasetFactory.load("seq", "/nonexistent/path", window_size=7, store=store)
@@ -141,7 +172,9 @@ def test_prebuilt_store_bypasses_path_and_format(shards: dict[str, Path]):
 # --- items --------------------------------------------------------------------------------
 
 
-def test_seq_windows_are_the_token_stream_shifted_by_one(shards: dict[str, Path], tokenizer: Tokenizer):
+def test_seq_windows_are_the_token_stream_shifted_by_one(
+    shards: dict[str, Path], tokenizer: Tokenizer
+):
     eos = IM_END  # the tokenizer's eos_token
     stream: list[int] = []
     for record in raw_lines("seq"):
@@ -151,7 +184,9 @@ def test_seq_windows_are_the_token_stream_shifted_by_one(shards: dict[str, Path]
     assert ds[0]["target_ids"].tolist() == stream[1 : WINDOW + 1]
     assert ds[3]["input_ids"].tolist() == stream[3 * WINDOW : 4 * WINDOW]
     half = load("seq", shards["seq"], stride=WINDOW // 2)
-    assert half[3]["target_ids"].tolist() == stream[3 * WINDOW // 2 + 1 : 3 * WINDOW // 2 + WINDOW + 1]
+    assert (
+        half[3]["target_ids"].tolist() == stream[3 * WINDOW // 2 + 1 : 3 * WINDOW // 2 + WINDOW + 1]
+    )
     assert ds[0]["input_ids"].dtype == torch.long
     last = ds[len(ds) - 1]
     assert len(last["input_ids"]) == len(last["target_ids"]) == WINDOW
@@ -180,7 +215,10 @@ def test_dpo_items_and_truncation_keep_the_start(shards: dict[str, Path]):
     for i in range(len(full)):
         a, b = full[i], cut[i]
         assert {k: v.dtype for k, v in a.items()} == {
-            "chosen": torch.long, "rejected": torch.long, "chosen_mask": torch.bool, "rejected_mask": torch.bool
+            "chosen": torch.long,
+            "rejected": torch.long,
+            "chosen_mask": torch.bool,
+            "rejected_mask": torch.bool,
         }
         for key in a:
             assert torch.equal(b[key], a[key][:40])
@@ -204,10 +242,12 @@ def test_grpo_items_hold_the_group(shards: dict[str, Path], tokenizer: Tokenizer
             "<|im_start|>assistant\n"
         )
         assert len(item["responses"]) == len(item["masks"]) == len(record["responses"])
-        for resp, mask, text in zip(item["responses"], item["masks"], record["responses"], strict=True):
+        for resp, mask, text in zip(
+            item["responses"], item["masks"], record["responses"], strict=True
+        ):
             assert resp.dtype == torch.long and mask.dtype == torch.bool and bool(mask.all())
             assert resp[-1] == eos
-            assert tokenizer.decode(resp[:-1].tolist()) == text[: len(tokenizer.decode(resp[:-1].tolist()))]
+            assert tokenizer.decode(resp[:-1].tolist()) == text
         sizes = len(item["prompts"]) + sum(len(r) for r in item["responses"])
         assert ds.sample_length(i) == sizes
 
@@ -217,15 +257,20 @@ def test_grpo_items_hold_the_group(shards: dict[str, Path], tokenizer: Tokenizer
 
 def test_store_without_a_required_key_fails_at_construction(shards: dict[str, Path]):
     seq_store = load("seq", shards["seq"]).store
-    with pytest.raises(ValueError, match=r"SFTDataset needs store keys \['loss_mask'\].*available keys: "
-                       r"\['position_ids', 'sequence'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"SFTDataset needs store keys \['loss_mask'\].*available keys: "
+        r"\['position_ids', 'sequence'\]",
+    ):
         DatasetFactory.create("sft", store=seq_store)
     with pytest.raises(ValueError, match=r"DPODataset needs store keys \['chosen', 'rejected'"):
         DPODataset(seq_store)
 
 
 def test_unknown_names_and_keywords_raise(shards: dict[str, Path]):
-    with pytest.raises(ValueError, match=r"unknown train_type 'pretrain'; valid: \['dpo', 'grpo', 'seq', 'sft'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown train_type 'pretrain'; valid: \['dpo', 'grpo', 'seq', 'sft'\]"
+    ):
         DatasetFactory.load("pretrain", shards["seq"], window_size=WINDOW)
     with pytest.raises(TypeError, match="window"):
         DatasetFactory.create("seq", store=load("seq", shards["seq"]).store, window=3)  # type: ignore[call-arg]
@@ -240,7 +285,9 @@ def test_fingerprint_follows_data_and_cut(shards: dict[str, Path]):
     assert isinstance(a.fingerprint, str) and a.fingerprint == b.fingerprint
     assert a.fingerprint != load("sft", shards["sft"], stride=WINDOW // 2).fingerprint
     assert a.fingerprint != load("seq", shards["sft"]).fingerprint
-    assert load("dpo", shards["dpo"]).fingerprint != load("dpo", shards["dpo"], max_len=40).fingerprint
+    assert (
+        load("dpo", shards["dpo"]).fingerprint != load("dpo", shards["dpo"], max_len=40).fingerprint
+    )
     assert load("dpo", shards["dpo"]).fingerprint != load("grpo", shards["grpo"]).fingerprint
 
 

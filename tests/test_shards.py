@@ -51,11 +51,17 @@ def write_dataset(root: Path, records, dtypes=SFT, primary="sequence", max_token
 
 
 def tree(root: Path) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_stream_keys_written_exactly(tmp_path):
-    infos = write_dataset(tmp_path, [sft_record([5, 6, 7]), sft_record([8, 9]), sft_record([1, 2, 3, 4])])
+    infos = write_dataset(
+        tmp_path, [sft_record([5, 6, 7]), sft_record([8, 9]), sft_record([1, 2, 3, 4])]
+    )
     assert infos == [{"name": "shard_00000", "records": 3, "tokens": 9, "keys": list(SFT)}]
     shard = tmp_path / "shard_00000"
     assert sorted(p.name for p in shard.iterdir()) == [
@@ -89,7 +95,13 @@ def test_record_and_list_keys_written_exactly(tmp_path):
     assert np.fromfile(shard / "responses.items.bin", "<i8").tolist() == [0, 3, 4, 6, 6, 10]
     assert np.fromfile(shard / "responses.offsets.bin", "<i8").tolist() == [0, 2, 5]
     assert np.fromfile(shard / "masks.bin", np.uint8).tolist() == [1, 1, 1, 1, 1, 1, 0, 0, 1, 1]
-    assert np.fromfile(shard / "rewards.bin", "<f4").tolist() == [1.0, 0.25, 0.0, np.float32(0.1), -2.0]
+    assert np.fromfile(shard / "rewards.bin", "<f4").tolist() == [
+        1.0,
+        0.25,
+        0.0,
+        np.float32(0.1),
+        -2.0,
+    ]
     assert np.fromfile(shard / "rewards.offsets.bin", "<i8").tolist() == [0, 2, 5]
     meta = read_meta(shard)
     assert meta["responses"]["items"]["count"] == 6 and meta["responses"]["offsets"]["count"] == 3
@@ -98,7 +110,9 @@ def test_record_and_list_keys_written_exactly(tmp_path):
 
 def test_shards_roll_before_the_limit_is_passed(tmp_path):
     lengths = [4, 4, 4, 11, 1]
-    infos = write_dataset(tmp_path, [sft_record(range(n)) for n in lengths], max_tokens=10, first_index=7)
+    infos = write_dataset(
+        tmp_path, [sft_record(range(n)) for n in lengths], max_tokens=10, first_index=7
+    )
     assert [(i["name"], i["records"], i["tokens"]) for i in infos] == [
         ("shard_00007", 2, 8), ("shard_00008", 1, 4), ("shard_00009", 1, 11), ("shard_00010", 1, 1),
     ]  # fmt: skip
@@ -115,8 +129,13 @@ def test_same_input_gives_same_bytes(tmp_path):
 
 
 def test_jsonl_storage_format(tmp_path):
-    records = [grpo_record([1, 2], [[3], [4, 5]], [0.1, 1.0]), grpo_record([6, 7, 8], [[9]], [-0.5])]
-    infos = write_dataset(tmp_path, records, GRPO, primary="prompts", max_tokens=3, storage_format="jsonl")
+    records = [
+        grpo_record([1, 2], [[3], [4, 5]], [0.1, 1.0]),
+        grpo_record([6, 7, 8], [[9]], [-0.5]),
+    ]
+    infos = write_dataset(
+        tmp_path, records, GRPO, primary="prompts", max_tokens=3, storage_format="jsonl"
+    )
     assert [(i["name"], i["records"], i["tokens"]) for i in infos] == [
         ("part_00000.jsonl", 1, 2), ("part_00001.jsonl", 1, 3),
     ]  # fmt: skip
@@ -124,23 +143,33 @@ def test_jsonl_storage_format(tmp_path):
         '{"prompts":[1,2],"responses":[[3],[4,5]],"masks":[[1],[1,1]],"rewards":[0.1,1.0]}\n'
     )
     assert json.loads((tmp_path / "part_00001.jsonl").read_text())["rewards"] == [-0.5]
-    assert infos[0]["xxh64"] == xxhash.xxh64((tmp_path / "part_00000.jsonl").read_bytes()).hexdigest()
+    assert (
+        infos[0]["xxh64"] == xxhash.xxh64((tmp_path / "part_00000.jsonl").read_bytes()).hexdigest()
+    )
     assert verify_dataset(tmp_path) == []
     with open(tmp_path / "part_00001.jsonl", "ab") as f:
         f.write(b"\n")
-    assert verify_dataset(tmp_path) == [f"part_00001.jsonl: {infos[1]['nbytes'] + 1} bytes, manifest.json says {infos[1]['nbytes']}: truncated"]
+    assert verify_dataset(tmp_path) == [
+        f"part_00001.jsonl: {infos[1]['nbytes'] + 1} bytes, manifest.json says {infos[1]['nbytes']}: truncated"
+    ]
 
 
 @pytest.mark.parametrize(
     "records, message",
     [
-        ([sft_record([1]), {"sequence": np.array([1]), "loss_mask": np.array([True])}], "missing ['position_ids']"),
+        (
+            [sft_record([1]), {"sequence": np.array([1]), "loss_mask": np.array([True])}],
+            "missing ['position_ids']",
+        ),
         ([{"sequence": np.array([2**40])}], "do not fit int32"),
         ([{"sequence": np.array([1]), "loss_mask": np.array([2])}], "do not fit bool"),
         ([{"loss_mask": np.array([True])}], "primary key 'sequence' is not in the record keys"),
         ([{"sequence": np.array([[1, 2]])}], "expected a flat array"),
         ([{"sequence": np.array([1]), "x/y": np.array([1])}], "cannot name a file"),
-        ([{"sequence": np.array([1]), "r": np.array([1.5])}], "key 'r': dtype 'float64x' is not one of"),
+        (
+            [{"sequence": np.array([1]), "r": np.array([1.5])}],
+            "key 'r': dtype 'float64x' is not one of",
+        ),
     ],
 )
 def test_writer_rejects_bad_records(tmp_path, records, message):
@@ -245,7 +274,10 @@ def test_verify_finds_unordered_offsets_and_manifest_disagreement(tmp_path):
         "extra: shard not listed in manifest.json",
     ]
     (tmp_path / "manifest.json").unlink()
-    assert verify_dataset(tmp_path)[-1] == "manifest.json: missing, so the run that wrote this dataset did not finish"
+    assert (
+        verify_dataset(tmp_path)[-1]
+        == "manifest.json: missing, so the run that wrote this dataset did not finish"
+    )
 
 
 @pytest.mark.parametrize(
@@ -270,7 +302,11 @@ def test_read_meta_names_file_and_key(tmp_path, meta, message):
 def test_manifest_round_trip_and_version_check(tmp_path):
     assert read_manifest(tmp_path) is None
     write_manifest(tmp_path, {"domains": {"web": []}, "fingerprint": "abc"})
-    assert read_manifest(tmp_path) == {"format_version": FORMAT_VERSION, "domains": {"web": []}, "fingerprint": "abc"}
+    assert read_manifest(tmp_path) == {
+        "format_version": FORMAT_VERSION,
+        "domains": {"web": []},
+        "fingerprint": "abc",
+    }
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
     with pytest.raises(ValueError, match="'domains' must map"):
         write_manifest(tmp_path, {"domains": ["shard_00000"]})

@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 
@@ -56,7 +57,12 @@ def grpo_records(n=9):
 def dpo_records(n=7):
     for i in range(n):
         chosen, rejected = np.arange(i + 2) * 3, np.arange(i % 4 + 1) + 1000
-        yield {"chosen": chosen, "chosen_mask": chosen > 3, "rejected": rejected, "rejected_mask": rejected % 2 == 0}
+        yield {
+            "chosen": chosen,
+            "chosen_mask": chosen > 3,
+            "rejected": rejected,
+            "rejected_mask": rejected % 2 == 0,
+        }
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +102,9 @@ def test_every_window_has_its_target_token_and_no_window_is_missed(tokens, windo
 # --- reading back exactly ---------------------------------------------------------------------
 def test_stream_store_reads_back_every_key(sft_store):
     assert len(sft_store._segments) == 6  # the rolling cut 98 tokens into 6 shards
-    assert sft_store.keys == list(SFT) and sft_store.token_count == 98 and sft_store.num_records == 12
+    assert (
+        sft_store.keys == list(SFT) and sft_store.token_count == 98 and sft_store.num_records == 12
+    )
     assert sft_store.num_samples == len(sft_store) == (98 - 1 - 8) // 5 + 1 == 18
     assert sft_store.sample_window(3) == (15, 23)
     item = sft_store[3]
@@ -127,7 +135,9 @@ def test_fetch_record_across_shards(sft_store):
 
 
 def test_out_of_range_and_unknown_keys(sft_store):
-    with pytest.raises(IndexError, match="fetch \\[90, 99\\) of key 'sequence' outside \\[0, 98\\)"):
+    with pytest.raises(
+        IndexError, match="fetch \\[90, 99\\) of key 'sequence' outside \\[0, 98\\)"
+    ):
         sft_store.fetch(90, 99, "sequence")
     with pytest.raises(IndexError, match="record 12 out of range \\[0, 12\\)"):
         sft_store.fetch_record(12, "sequence")
@@ -152,11 +162,15 @@ def test_record_keys_and_list_keys_across_shards(tmp_path):
         assert [r.tolist() for r in got["responses"]] == [r.tolist() for r in record["responses"]]
         assert [m.dtype for m in got["masks"]] == [torch.bool] * len(record["masks"])
         assert [m.tolist() for m in got["masks"]] == [m.tolist() for m in record["masks"]]
-        assert got["rewards"].dtype == torch.float32 and got["rewards"].tolist() == record["rewards"].tolist()
-    assert grpo.record_lengths("responses").tolist() == [sum(len(r) for r in rec["responses"]) for rec in grpo_records()]
-    both = StoreFactory.create("bin").load(tmp_path)
+        assert (
+            got["rewards"].dtype == torch.float32
+            and got["rewards"].tolist() == record["rewards"].tolist()
+        )
+    assert grpo.record_lengths("responses").tolist() == [
+        sum(len(r) for r in rec["responses"]) for rec in grpo_records()
+    ]
     with pytest.raises(ValueError, match="grpo/shard_00000: keys .* differ from dpo/shard_00000's"):
-        both.num_records
+        StoreFactory.create("bin").load(tmp_path)
 
 
 def test_fetch_copies_only_the_window_and_warns_nothing(sft_store):
@@ -164,8 +178,13 @@ def test_fetch_copies_only_the_window_and_warns_nothing(sft_store):
         warnings.simplefilter("error")
         window = sft_store.fetch(0, 4, "sequence")  # inside shard 0: a slice of the memmap
         record = sft_store.fetch_record(0, "sequence")
-    assert isinstance(sft_store._segments[0].columns["sequence"].values, np.memmap)
-    assert isinstance(sft_store._segments[0].columns["sequence"].offsets, np.memmap)
+    for part in ("values", "offsets"):  # read-only maps of the files, nothing loaded per record
+        array = getattr(sft_store._segments[0].columns["sequence"], part)
+        assert (
+            isinstance(array.base, np.memmap)
+            and array.base.mode == "r"
+            and not array.flags.writeable
+        )
     window[0] = -1
     record[0] = -1
     assert sft_store.fetch(0, 1, "sequence").item() == concatenated("sequence")[0] != -1
@@ -174,7 +193,11 @@ def test_fetch_copies_only_the_window_and_warns_nothing(sft_store):
 # --- load-time checks -----------------------------------------------------------------------------
 def test_before_load_the_store_says_so():
     store = StoreFactory.create("bin", window_size=4)
-    for call in (lambda: store.fetch(0, 1, "sequence"), lambda: store.fetch_record(0, "sequence"), lambda: store.keys):
+    for call in (
+        lambda: store.fetch(0, 1, "sequence"),
+        lambda: store.fetch_record(0, "sequence"),
+        lambda: store.keys,
+    ):
         with pytest.raises(RuntimeError, match="Store not loaded"):
             call()
 
@@ -184,15 +207,23 @@ def test_truncated_bin_and_short_offsets_fail_at_load(tmp_path):
     shard = tmp_path / "shard_00003"
     with open(shard / "loss_mask.bin", "r+b") as f:
         f.truncate(3)
-    with pytest.raises(ValueError, match=f"^{shard / 'loss_mask.bin'}: key 'loss_mask': 3 bytes, expected 12 bytes"):
+    with pytest.raises(
+        ValueError, match=f"^{shard / 'loss_mask.bin'}: key 'loss_mask': 3 bytes, expected 30 bytes"
+    ):
         MmapStore().load(tmp_path)
-    (shard / "loss_mask.bin").write_bytes(bytes(12))
+    (shard / "loss_mask.bin").write_bytes(bytes(30))
     with open(shard / "position_ids.offsets.bin", "r+b") as f:
         f.truncate(8)
-    with pytest.raises(ValueError, match=f"^{shard / 'position_ids.offsets.bin'}: key 'position_ids': 8 bytes, expected 16"):
+    with pytest.raises(
+        ValueError,
+        match=f"^{shard / 'position_ids.offsets.bin'}: key 'position_ids': 8 bytes, expected 16",
+    ):
         MmapStore().load(tmp_path)
     np.array([0, 13], "<i8").tofile(shard / "position_ids.offsets.bin")
-    with pytest.raises(ValueError, match="position_ids.offsets.bin: key 'position_ids': runs 0 .. 13, expected 0 .. 12"):
+    with pytest.raises(
+        ValueError,
+        match="position_ids.offsets.bin: key 'position_ids': runs 0 .. 13, expected 0 .. 30",
+    ):
         MmapStore().load(tmp_path)
 
 
@@ -201,8 +232,10 @@ def test_manifest_listing_a_missing_shard_fails_at_load(sft_dir, tmp_path):
     manifest["domains"][""].append({"name": "shard_00099", "records": 1, "tokens": 1})
     write_manifest(tmp_path, manifest)
     for p in sft_dir.glob("shard_*"):
-        (tmp_path / p.name).symlink_to(p)
-    with pytest.raises(ValueError, match="shards listed in manifest.json are missing: \\['shard_00099'\\]"):
+        shutil.copytree(p, tmp_path / p.name)
+    with pytest.raises(
+        ValueError, match="shards listed in manifest.json are missing: \\['shard_00099'\\]"
+    ):
         MmapStore().load(tmp_path)
 
 
@@ -230,7 +263,11 @@ def test_seed_style_shards_load(tmp_path):
     assert verify_dataset(tmp_path / "dpo", require_manifest=False) == [] and store.verify() == []
     seed_shard(tmp_path / "seq" / "a", {"sequence": np.arange(10, dtype=np.int32)}, {})
     stream = StoreFactory.create("bin", window_size=4).load(tmp_path / "seq")
-    assert stream.num_records == 0 and len(stream) == 2 and stream[1]["sequence"].tolist() == [4, 5, 6, 7]
+    assert (
+        stream.num_records == 0
+        and len(stream) == 2
+        and stream[1]["sequence"].tolist() == [4, 5, 6, 7]
+    )
     with pytest.raises(IndexError, match="record 0 out of range \\[0, 0\\)"):
         stream.fetch_record(0, "sequence")
 
@@ -240,10 +277,10 @@ def test_offsets_beyond_2_32_tokens(tmp_path):
     shard = tmp_path / "shard_00000"
     shard.mkdir()
     n = 2**32 + 40
-    starts = [0, 2**31 + 3, 2**32 + 5, 2**32 + 30, n]
+    starts = [0, 2**31 + 3, 2**31 + 8, 2**32 + 5, 2**32 + 30, n]  # records 0 and 2 are huge
     with open(shard / "sequence.bin", "wb") as f:
         f.truncate(n * 4)
-        for s in starts[1:-1]:
+        for s in (2**31 + 3, 2**32 + 5, 2**32 + 30):
             f.seek(s * 4)
             f.write(np.arange(7, 12, dtype="<i4").tobytes())
     np.array(starts, "<i8").tofile(shard / "sequence.offsets.bin")
@@ -251,11 +288,12 @@ def test_offsets_beyond_2_32_tokens(tmp_path):
                          "offsets": {"file": "sequence.offsets.bin", "count": len(starts)}}}  # fmt: skip
     (shard / "meta.json").write_text(json.dumps(meta))
     store = StoreFactory.create("bin", window_size=2**20).load(tmp_path)
-    assert store.token_count == n and store.num_records == 4
-    assert store.fetch_record(1, "sequence")[:6].tolist() == [7, 8, 9, 10, 11, 0]
-    assert store.fetch_record(2, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 20
+    assert store.token_count == n and store.num_records == 5
+    assert store.fetch_record(1, "sequence").tolist() == [7, 8, 9, 10, 11]
+    assert store.fetch_record(3, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 20
+    assert store.fetch_record(4, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 5
     assert store.fetch(2**32 + 29, 2**32 + 33, "sequence").tolist() == [0, 7, 8, 9]
-    assert store.record_lengths("sequence").tolist() == [2**31 + 3, 2**31 + 2, 25, 10]
+    assert store.record_lengths("sequence").tolist() == [2**31 + 3, 5, 2**31 - 3, 25, 10]
     assert len(store) == (n - 1 - 2**20) // 2**20 + 1 == 4096
 
 
@@ -294,12 +332,20 @@ def test_detect_format(tmp_path, sft_dir):
 
 
 def test_store_factory():
-    assert type(StoreFactory.create("bin")) is MmapStore and type(StoreFactory.create("jsonl")) is JsonlStore
+    assert (
+        type(StoreFactory.create("bin")) is MmapStore
+        and type(StoreFactory.create("jsonl")) is JsonlStore
+    )
     store = StoreFactory.create("jsonl", window_size=16)
     assert (store.window_size, store.stride) == (16, 16)
-    with pytest.raises(ValueError, match="unknown storage type 'parquet'; valid: \\['bin', 'jsonl'\\]"):
+    with pytest.raises(
+        ValueError, match="unknown storage type 'parquet'; valid: \\['bin', 'jsonl'\\]"
+    ):
         StoreFactory.create("parquet")
-    with pytest.raises(TypeError, match="unknown keyword\\(s\\) \\['window'\\]; valid: \\['window_size', 'stride'\\]"):
+    with pytest.raises(
+        TypeError,
+        match="unknown keyword\\(s\\) \\['window'\\]; valid: \\['window_size', 'stride'\\]",
+    ):
         StoreFactory.create("bin", window=16)
     with pytest.raises(ValueError, match="stride needs window_size"):
         StoreFactory.create("bin", stride=3)
@@ -309,7 +355,9 @@ def test_store_factory():
 
 # --- JSONL --------------------------------------------------------------------------------------------
 def write_jsonl(path: Path, lines) -> Path:
-    path.write_text("".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines))
+    path.write_text(
+        "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines)
+    )
     return path
 
 
@@ -337,13 +385,15 @@ def test_jsonl_lazy_processor_indexes_lines_only(tmp_path):
         calls.append(record["text"])
         return char_transform(record)
 
-    path = write_jsonl(tmp_path / "data.jsonl", [{"text": "hello"}, "\n", "  \n", {"text": "hi"}, "not json\n"])
+    path = write_jsonl(
+        tmp_path / "data.jsonl", [{"text": "hello"}, "\n", "  \n", {"text": "hi"}, "not json\n"]
+    )
     store = JsonlStore().load(path, processor=processor)
     assert store.num_records == len(store) == 3 and calls == []
-    assert store._line_pos.dtype == np.int64 and store._line_pos.tolist() == [0, 20, 35]
+    assert store._line_pos.dtype == np.int64 and store._line_pos.tolist() == [0, 22, 37]
     assert store.fetch_record(1, "sequence").tolist() == [104, 105] and calls == ["hi"]
     assert store.keys == ["sequence", "loss_mask"]
-    with pytest.raises(ValueError, match=f"^{path}:6: not valid JSON"):
+    with pytest.raises(ValueError, match=f"^{path}:5: not valid JSON"):
         store.fetch_record(2, "sequence")
     with pytest.raises(ValueError, match="reads records only"):
         store.fetch(0, 1, "sequence")
@@ -389,22 +439,42 @@ def chats(tmp_path: Path, n: int) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", lines)
 
 
-def test_jsonl_builtin_messages_transform(tmp_path):
+def masker(train_type):
     from tokenmill.config import default_config
     from tokenmill.masking import RecordMasker
     from tokenmill.templates import load_tokenizer
 
+    return RecordMasker(default_config(train_type), load_tokenizer(TOKENIZER))
+
+
+def test_jsonl_builtin_messages_transform(tmp_path):
     path = chats(tmp_path, 6)
+    want = [masker("sft").process(json.loads(line)) for line in path.read_text().splitlines()]
+    with open(path, "a") as f:  # under min_chars (50): filtered and counted, not an error
+        f.write(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": "yo"},
+                    ]
+                }
+            )
+            + "\n"
+        )
     store = JsonlStore().load(path, tokenizer_path=TOKENIZER)
-    masker = RecordMasker(default_config("sft"), load_tokenizer(TOKENIZER))
-    want = [masker.process(json.loads(line)) for line in path.read_text().splitlines()]
     assert store.keys == ["sequence", "loss_mask", "position_ids"] and store.num_records == 6
+    assert store.skipped == {"too_short": 1}
     for i, record in enumerate(want):
         got = store.fetch_record(i, store.keys)
         assert got["loss_mask"].dtype == torch.bool and got["sequence"].dtype == torch.int32
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in record.items()}
     first = store.fetch_record(0, ["sequence", "loss_mask"])
-    assert first["sequence"][:3].tolist() == [151644, 8948, 198]  # <|im_start|>system\n (the default system prompt)
+    assert first["sequence"][:3].tolist() == [
+        151644,
+        8948,
+        198,
+    ]  # <|im_start|>system\n (the default system prompt)
     assert not first["loss_mask"][:3].any() and first["loss_mask"].any()
 
 
@@ -415,7 +485,43 @@ def test_jsonl_dataset_config_beside_the_data(tmp_path):
               "tokenizer_path": str(TOKENIZER.relative_to(ROOT))}  # fmt: skip
     (tmp_path / "dataset_config.json").write_text(json.dumps(config))
     (tmp_path / "data").symlink_to(ROOT / "data")  # the relative tokenizer_path resolves here
-    store = JsonlStore().load(tmp_path / "chat.jsonl")
+    store = JsonlStore().load(path)
     assert store.keys == ["sequence", "loss_mask"] and store.num_records == 3
     assert store.fetch_record(0, "loss_mask").all()  # every role trains under action "train"
     assert store.fetch_record(0, "sequence")[:3].tolist() == [151644, 8948, 198]
+
+
+def test_jsonl_lazy_dpo_processor_with_real_tokenizer(tmp_path):
+    """The route DatasetFactory takes for raw DPO: each record tokenized on fetch, errors located."""
+    lines = (ROOT / "data" / "dpo_en_300.jsonl").read_text().splitlines(keepends=True)[:3]
+    path = write_jsonl(tmp_path / "dpo.jsonl", [*lines, {"prompt": [], "chosen": []}])
+    process = masker("dpo").process
+    store = JsonlStore().load(path, processor=process)
+    assert store.num_records == 4 and store.keys == [
+        "chosen",
+        "chosen_mask",
+        "rejected",
+        "rejected_mask",
+    ]
+    for i, line in enumerate(lines):
+        want = process(json.loads(line))
+        got = store.fetch_record(i, list(want))
+        assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}
+    with pytest.raises(ValueError, match=f"^{path}:4: chosen: "):
+        store.fetch_record(3, "chosen")
+
+
+def test_lazy_line_index_across_chunk_boundaries(tmp_path):
+    """Line positions from the 4 MiB numpy scan equal a plain Python scan, blank lines skipped."""
+    rng = np.random.default_rng(1)
+    lines = [b"  \n" if i % 7 == 3 else b'{"t": "' + b"x" * int(rng.integers(0, 9000)) + b'"}\n' for i in range(2500)]
+    path = tmp_path / "big.jsonl"
+    path.write_bytes(b"".join(lines) + b'{"t": "last line, no newline"}')
+    want, pos = [], 0
+    for line in [*lines, b"{}"]:
+        if line.strip():
+            want.append(pos)
+        pos += len(line)
+    store = JsonlStore().load(path, processor=lambda r: {"n": np.array([len(r["t"])])})
+    assert path.stat().st_size > 2 * (1 << 22) and store._line_pos.tolist() == want
+    assert store.fetch_record(store.num_records - 1, "n").item() == len("last line, no newline")

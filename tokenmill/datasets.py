@@ -271,7 +271,9 @@ class DatasetFactory:
         `store` skips every path, format, tokenizer, window and stride step."""
         cls = _dataset_class(train_type)
         if store is None:
-            store = _load_store(train_type, load_path, window_size, stride, storage_type, tokenizer_path)
+            store = _load_store(
+                train_type, load_path, window_size, stride, storage_type, tokenizer_path
+            )
         return cls(store, max_len=max_len)
 
 

@@ -41,7 +41,7 @@ class Column:
 
 
 def checksum(array: np.ndarray) -> str:
-    return xxhash.xxh64(np.ascontiguousarray(array)).hexdigest()
+    return xxhash.xxh64(np.ascontiguousarray(array).data).hexdigest()
 
 
 def cast(values: np.ndarray, dtype: str, where: str) -> np.ndarray:
@@ -50,6 +50,8 @@ def cast(values: np.ndarray, dtype: str, where: str) -> np.ndarray:
         raise ValueError(f"{where}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
     target = DTYPES[dtype]
     values = np.asarray(values)
+    if values.dtype == target:
+        return np.ascontiguousarray(values)
     if values.dtype.kind in "iub" and target.kind in "iub" and values.size:
         low, high = (0, 1) if target.kind == "b" else (np.iinfo(target).min, np.iinfo(target).max)
         if values.min() < low or values.max() > high:
@@ -63,6 +65,8 @@ def cast(values: np.ndarray, dtype: str, where: str) -> np.ndarray:
 
 
 def _flat(value: Any, where: str) -> np.ndarray:
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype != object:
+        return value
     arr = np.asarray(value)
     if arr.dtype == object or arr.ndim > 1:
         raise ValueError(f"{where}: expected a flat array, got shape {arr.shape} dtype {arr.dtype}")
@@ -86,17 +90,26 @@ class ColumnBuffer:
         self.item_counts: list[int] = []  # per record, list keys only
 
     def add(self, value: Any) -> int:
-        """Adds one record's value; returns its number of elements."""
-        empty = isinstance(value, (list, tuple)) and not value  # fits either kind
-        if self.is_list != is_list_value(value) and not empty:
-            kind = "a list of arrays" if self.is_list else "one array"
-            raise ValueError(f"key {self.key!r}: expected {kind} in every record, like the first")
-        arrays = [_flat(v, self.key) for v in value] if self.is_list else [_flat(value, self.key)]
-        self.parts.extend(arrays)
-        self.lengths.extend(len(a) for a in arrays)
+        """Adds one record's value (kept by reference, not copied); returns its element count."""
         if self.is_list:
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(
+                    f"key {self.key!r}: expected a list of arrays in every record, like the first"
+                )
+            arrays = [_flat(v, self.key) for v in value]
+            lengths = [len(a) for a in arrays]
+            self.parts += arrays
+            self.lengths += lengths
             self.item_counts.append(len(arrays))
-        return sum(len(a) for a in arrays)
+            return sum(lengths)
+        if is_list_value(value):
+            raise ValueError(
+                f"key {self.key!r}: expected one array in every record, like the first"
+            )
+        array = _flat(value, self.key)
+        self.parts.append(array)
+        self.lengths.append(len(array))
+        return len(array)
 
     def build(self, dtype: str) -> Column:
         values = np.concatenate(self.parts) if self.parts else np.empty(0, DTYPES[dtype])

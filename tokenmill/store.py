@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +98,15 @@ class Store:
         self.window_size = window_size
         self.stride = stride or window_size
         self._segments: list[Segment] | None = None
+        self._starts: dict[str, list[int]] = {}
 
-    def load(self, path: str | Path, **options: Any) -> Store:
+    def load(
+        self,
+        path: str | Path,
+        transform: Transform | None = None,
+        processor: Transform | None = None,
+        tokenizer_path: str | Path | None = None,
+    ) -> Store:
         raise NotImplementedError
 
     # --- layout --------------------------------------------------------------------------
@@ -127,7 +136,7 @@ class Store:
         return self._segments
 
     def _key(self, key: str) -> str:
-        if key not in self.keys:
+        if key not in self._starts:
             raise KeyError(f"key {key!r} is not in this store; keys: {self.keys}")
         return key
 
@@ -182,10 +191,10 @@ class Store:
         if not 0 <= begin <= end <= starts[-1]:
             raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
         segments = self._loaded()
-        s = min(int(np.searchsorted(starts, begin, "right")) - 1, len(segments) - 1)
+        s = min(bisect_right(starts, begin) - 1, len(segments) - 1)
         pieces, pos = [], begin
         while pos < end:
-            stop = min(end, int(starts[s + 1]))
+            stop = min(end, starts[s + 1])
             pieces.append(segments[s].columns[key].values[pos - starts[s] : stop - starts[s]])
             pos, s = stop, s + 1
         if len(pieces) == 1:
@@ -195,14 +204,20 @@ class Store:
 
     # --- record access -------------------------------------------------------------------
     def fetch_record(self, i: int, keys: str | list[str]) -> Any:
-        """Record i by offsets: a tensor per plain key, a list of tensors per list key."""
-        segments = self._loaded()
+        """Record i: a tensor per plain key, a list of tensors per list key."""
         if not 0 <= i < self.num_records:
             raise IndexError(f"record {i} out of range [0, {self.num_records})")
-        s = int(np.searchsorted(self._record_starts, i, "right")) - 1
-        seg, local = segments[s], i - int(self._record_starts[s])
-        if isinstance(keys, str):
-            return _record_value(seg, self._key(keys), local)
+        arrays = self._record(i, [keys] if isinstance(keys, str) else list(keys))
+        out = {
+            k: [to_tensor(v) for v in a] if isinstance(a, list) else to_tensor(a)
+            for k, a in arrays.items()
+        }
+        return out[keys] if isinstance(keys, str) else out
+
+    def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
+        """Record i's arrays by offsets: the segment by bisection, then its offsets."""
+        s = bisect_right(self._record_starts, i) - 1
+        seg, local = self._loaded()[s], i - self._record_starts[s]
         return {key: _record_value(seg, self._key(key), local) for key in keys}
 
     def record_lengths(self, key: str) -> np.ndarray:
@@ -219,10 +234,9 @@ class Store:
         return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
 
 
-def _cumulative(lengths: list[int]) -> np.ndarray:
-    out = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=out[1:])
-    return out
+def _cumulative(lengths: list[int]) -> list[int]:
+    """Start of each segment and the total: bisect on this finds a position's segment (O(shards))."""
+    return [0, *accumulate(int(n) for n in lengths)]
 
 
 def _record_value(seg: Segment, key: str, local: int) -> Any:
@@ -233,9 +247,9 @@ def _record_value(seg: Segment, key: str, local: int) -> Any:
         )
     a, b = int(col.offsets[local]), int(col.offsets[local + 1])
     if col.items is None:
-        return to_tensor(col.values[a:b])
-    items = np.asarray(col.items[a : b + 1])
-    return [to_tensor(col.values[items[j] : items[j + 1]]) for j in range(b - a)]
+        return col.values[a:b]
+    items = col.items[a : b + 1].tolist()
+    return [col.values[items[j] : items[j + 1]] for j in range(b - a)]
 
 
 # --- shards on disk ---------------------------------------------------------------------------
@@ -245,9 +259,9 @@ class MmapStore(Store):
     def load(
         self,
         path: str | Path,
-        transform: Any = None,
-        processor: Any = None,
-        tokenizer_path: Any = None,
+        transform: Transform | None = None,
+        processor: Transform | None = None,
+        tokenizer_path: str | Path | None = None,
     ) -> MmapStore:
         """Maps the shards below `path`; checks every file's size against meta.json.
 
@@ -339,7 +353,8 @@ def _map_file(path: Path, dtype: str, count: int, key: str) -> np.ndarray:
         )
     if count == 0:
         return np.empty(0, DTYPES[dtype])
-    return np.memmap(path, dtype=DTYPES[dtype], mode="r", shape=(count,))
+    # A plain ndarray view of the read-only map: slicing skips np.memmap's Python-level hooks.
+    return np.memmap(path, dtype=DTYPES[dtype], mode="r", shape=(count,)).view(np.ndarray)
 
 
 def _map_bounds(shard: Path, key: str, bounds: Any, last: int) -> np.ndarray | None:
@@ -364,6 +379,9 @@ def _map_bounds(shard: Path, key: str, bounds: Any, last: int) -> np.ndarray | N
 class JsonlStore(Store):
     """A .jsonl file or a folder's sorted top-level *.jsonl, transformed eagerly or processed lazily."""
 
+    processor: Transform | None = None
+    skipped: dict[str, int]  # records a config filtered out (too_short, too_long), by reason
+
     def load(
         self,
         path: str | Path,
@@ -377,7 +395,7 @@ class JsonlStore(Store):
         if transform is not None and processor is not None:
             raise ValueError("give transform= (eager) or processor= (lazy), not both")
         self.files, stored_dtypes = jsonl_inputs(Path(path))
-        self.skipped: dict[str, int] = {}
+        self.skipped = {}
         if processor is not None:
             self.processor = processor
             self._index_lines()
@@ -412,18 +430,16 @@ class JsonlStore(Store):
         self._segments = None
         self._lazy_keys: list[str] | None = None
 
-    @property
-    def lazy(self) -> bool:
-        return getattr(self, "processor", None) is not None
-
-    def _lazy_only(self, what: str) -> None:
-        raise ValueError(
-            f"{what}: a JsonlStore loaded with processor= reads records only (fetch_record)"
-        )
+    def _loaded(self) -> list[Segment]:
+        if self.processor is not None:
+            raise ValueError(
+                "a JsonlStore loaded with processor= reads records only (fetch_record)"
+            )
+        return super()._loaded()
 
     @property
     def keys(self) -> list[str]:
-        if not self.lazy:
+        if self.processor is None:
             return super().keys
         if self._lazy_keys is None:
             self._lazy_keys = list(self._process(0))
@@ -431,49 +447,28 @@ class JsonlStore(Store):
 
     @property
     def num_records(self) -> int:
-        return len(self._line_pos) if self.lazy else super().num_records
-
-    @property
-    def token_count(self) -> int:
-        return self._lazy_only("token_count") if self.lazy else super().token_count  # type: ignore[func-returns-value]
+        return len(self._line_pos) if self.processor is not None else super().num_records
 
     def __len__(self) -> int:
-        return self.num_records if self.lazy else super().__len__()
+        return self.num_records if self.processor is not None else super().__len__()
 
-    def fetch(self, begin: int, end: int, keys: str | list[str]) -> Any:
-        return self._lazy_only("fetch") if self.lazy else super().fetch(begin, end, keys)
-
-    def record_lengths(self, key: str) -> np.ndarray:
-        return self._lazy_only("record_lengths") if self.lazy else super().record_lengths(key)  # type: ignore[func-returns-value]
-
-    def fetch_record(self, i: int, keys: str | list[str]) -> Any:
-        if not self.lazy:
-            return super().fetch_record(i, keys)
-        if not 0 <= i < self.num_records:
-            raise IndexError(f"record {i} out of range [0, {self.num_records})")
+    def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
+        if self.processor is None:
+            return super()._record(i, keys)
         out = self._process(i)
-        if isinstance(keys, str):
-            keys = [keys]
-            single = True
-        else:
-            single = False
         missing = [k for k in keys if k not in out]
         if missing:
             raise KeyError(f"keys {missing} are not in the processed record; keys: {list(out)}")
-        result = {
-            k: [to_tensor(v) for v in out[k]] if is_list_value(out[k]) else to_tensor(out[k])
-            for k in keys
-        }
-        return result[keys[0]] if single else result
+        return {k: list(out[k]) if is_list_value(out[k]) else np.asarray(out[k]) for k in keys}
 
     def _process(self, i: int) -> dict:
-        f = int(np.searchsorted(self._file_starts, i, "right")) - 1
+        f = bisect_right(self._file_starts, i) - 1
         source, pos = self.files[f], int(self._line_pos[i])
         with open(source, "rb") as fh:
             fh.seek(pos)
             text = fh.readline()
         try:
-            return dict(self.processor(_parse(text)))  # type: ignore[misc]
+            return dict(self.processor(_parse(text)))  # type: ignore[misc]  # set in lazy mode
         except Exception as err:
             raise _located(err, str(source), _line_number(source, pos)) from err
 
@@ -583,17 +578,32 @@ def _filter_reasons() -> tuple[str, ...]:
 
 
 def _line_starts(path: Path, digest: Any) -> np.ndarray:
-    """Byte positions of the non-blank lines of a file, found with numpy in 16 MiB chunks."""
-    newlines, base = [], 0
+    """Byte positions of the non-blank lines of a file, found with numpy 4 MiB at a time."""
+    found, base, rest = [], 0, b""
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
+        while chunk := f.read(1 << 22):
             digest.update(chunk)
-            newlines.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + base)
-            base += len(chunk)
-    ends = np.concatenate([*newlines, [base]]).astype(np.int64)
+            buf = rest + chunk
+            cut = buf.rfind(b"\n") + 1  # whole lines only; the rest waits for the next chunk
+            found.append(_nonblank_starts(buf[:cut]) + base)
+            base, rest = base + cut, buf[cut:]
+    found.append(_nonblank_starts(rest) + base)
+    return np.concatenate(found).astype(np.int64)
+
+
+_SPACE = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
+
+
+def _nonblank_starts(buf: bytes) -> np.ndarray:
+    data = np.frombuffer(buf, np.uint8)
+    ends = np.flatnonzero(data == 10)
+    if len(data) and data[-1] != 10:
+        ends = np.append(ends, len(data))
+    if not len(ends):
+        return np.empty(0, np.int64)
     starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
-    keep = (ends - starts) > 0
-    return starts[keep]
+    solid = np.concatenate([[0], np.cumsum(~np.isin(data, _SPACE), dtype=np.int64)])
+    return starts[solid[ends] > solid[starts]]
 
 
 def _line_number(path: Path, pos: int) -> int:

@@ -240,11 +240,14 @@ def render_conversation(
         closed = render_text(bundle, messages, False)
         if text.startswith(closed):
             prompt_start = len(closed)
-    found = _locate_contents(text, messages, prompt_start)
-    located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
     encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int32)
-    first_char = np.asarray([start for start, _ in encoding.offsets], dtype=np.int64)
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    first_char = offsets[:, 0]
+    is_control = np.isin(ids, _added_ids(bundle.tokenizer))
+    control = (first_char[is_control], offsets[is_control, 1])
+    found = _locate_contents(text, messages, prompt_start, control)
+    located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
     span_starts = _span_starts(text, located, prompt_start, first_char)
     owner = np.searchsorted(np.asarray(span_starts), first_char, side="right") - 1
     mask = np.asarray(actions, dtype=bool)[owner] & (first_char < prompt_start)
@@ -265,8 +268,35 @@ def _visible_forms(content: str) -> list[str]:
     return list(dict.fromkeys(forms))
 
 
-def _locate_contents(text: str, messages: list[dict], limit: int) -> list[tuple[int, int] | None]:
-    """(start, end) of each message's content, searched forward; None for an empty one."""
+@cache
+def _added_ids(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
+    """Ids of the added tokens (`<|im_end|>`, `<think>`, ...): template control text."""
+    return np.asarray(sorted(tokenizer.get_added_tokens_decoder()), dtype=np.int32)
+
+
+def _locate_contents(
+    text: str, messages: list[dict], limit: int, control: tuple[np.ndarray, np.ndarray]
+) -> list[tuple[int, int] | None]:
+    """(start, end) of each message's content, searched forward; None for an empty one.
+
+    Template words hold short contents ("e" is in `<|im_end|>` and in `user`), so an
+    occurrence that cuts a control token is skipped, and one followed by a control
+    token (`<|im_end|>`) is preferred; if preferring leaves a message unplaced, the
+    first occurrences are used.
+    """
+    try:
+        return _search_contents(text, messages, limit, control, prefer=True)
+    except ValueError:
+        return _search_contents(text, messages, limit, control, prefer=False)
+
+
+def _search_contents(
+    text: str,
+    messages: list[dict],
+    limit: int,
+    control: tuple[np.ndarray, np.ndarray],
+    prefer: bool,
+) -> list[tuple[int, int] | None]:
     located: list[tuple[int, int] | None] = []
     cursor = 0
     for k, message in enumerate(messages):
@@ -279,7 +309,7 @@ def _locate_contents(text: str, messages: list[dict], limit: int) -> list[tuple[
         forms = _visible_forms(content)
         hit = None
         for form in filter(None, forms):
-            start = text.find(form, cursor, limit)
+            start = _find(text, form, cursor, limit, control, prefer)
             if start >= 0:
                 hit = (start, start + len(form))
                 break
@@ -291,6 +321,36 @@ def _locate_contents(text: str, messages: list[dict], limit: int) -> list[tuple[
         located.append(hit)
         cursor = hit[1] if hit else cursor
     return located
+
+
+def _find(
+    text: str,
+    form: str,
+    cursor: int,
+    limit: int,
+    control: tuple[np.ndarray, np.ndarray],
+    prefer: bool,
+) -> int:
+    """First occurrence of `form` from `cursor` that cuts no control token; -1 if none.
+
+    With `prefer`, the first such occurrence that ends where a control token starts
+    (or at `limit`) wins.
+    """
+    starts, ends = control
+    first = -1
+    at = text.find(form, cursor, limit)
+    while at >= 0:
+        end = at + len(form)
+        i = int(np.searchsorted(starts, at, side="right")) - 1
+        j = int(np.searchsorted(starts, end, side="right")) - 1
+        cuts_start = i >= 0 and starts[i] < at < ends[i]
+        cuts_end = j >= 0 and starts[j] < end < ends[j]
+        if not (cuts_start or cuts_end):
+            if not prefer or end == limit or (j >= 0 and starts[j] == end):
+                return at
+            first = at if first < 0 else first
+        at = text.find(form, at + 1, limit)
+    return first
 
 
 def _place_empty_contents(

@@ -35,7 +35,10 @@ class BatchCollator(ABC):
 
 
 def pad_stack(
-    tensors: Sequence[torch.Tensor], value: float | bool, left: bool = False, length: int | None = None
+    tensors: Sequence[torch.Tensor],
+    value: float | bool,
+    left: bool = False,
+    length: int | None = None,
 ) -> torch.Tensor:
     """Stack 1-D tensors into [N, L], L = `length` or the longest, filling with `value`."""
     length = max((len(t) for t in tensors), default=0) if length is None else length

@@ -1,0 +1,51 @@
+"""The modular loader: four roles in fixed order, run inside torch DataLoader workers.
+
+DataDistributor (distributors.py) -> RawItemProcessor (processors.py) -> SampleBatcher
+(batchers.py) -> BatchCollator (collators.py), driven by DataflowLoader (loader.py).
+"""
+
+from tokenmill.dataflow.batchers import (
+    PoolPackingBatcher,
+    SampleBatcher,
+    SequentialPackingBatcher,
+    SimpleBatcher,
+)
+from tokenmill.dataflow.collators import (
+    BatchCollator,
+    DefaultBatchCollator,
+    DPOPaddingCollator,
+    GRPOPaddingCollator,
+    PackedCollator,
+    SFTPaddingCollator,
+)
+from tokenmill.dataflow.distributors import (
+    DataDistributor,
+    IterableDistributor,
+    MapDistributor,
+    MixtureDistributor,
+    RankPartitionedDistributor,
+)
+from tokenmill.dataflow.loader import DataflowLoader
+from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor, TruncateProcessor
+
+__all__ = [
+    "DataDistributor",
+    "IterableDistributor",
+    "MapDistributor",
+    "RankPartitionedDistributor",
+    "MixtureDistributor",
+    "RawItemProcessor",
+    "IdentityProcessor",
+    "TruncateProcessor",
+    "SampleBatcher",
+    "SimpleBatcher",
+    "PoolPackingBatcher",
+    "SequentialPackingBatcher",
+    "BatchCollator",
+    "DefaultBatchCollator",
+    "SFTPaddingCollator",
+    "DPOPaddingCollator",
+    "GRPOPaddingCollator",
+    "PackedCollator",
+    "DataflowLoader",
+]

@@ -1,0 +1,197 @@
+"""SampleBatcher: the third dataflow role (samples -> groups) and its built-ins.
+
+DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator. `SimpleBatcher`
+takes N samples per group; the packing batchers fill groups up to a token budget. A
+batcher's state says how to continue after its last group: `pending` samples it already
+pulled go back to the stream, and the first `skip` groups of the next pull are dropped.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
+from typing import Any
+
+from tokenmill.sampler import STATE_VERSION, check_state
+
+__all__ = [
+    "SampleBatcher",
+    "SimpleBatcher",
+    "PoolPackingBatcher",
+    "SequentialPackingBatcher",
+    "token_count",
+    "best_fit",
+]
+
+
+def token_count(sample: dict) -> int:
+    """Tokens a sample puts in a group: input_ids; chosen + rejected; prompts + responses."""
+    if "input_ids" in sample:
+        return len(sample["input_ids"])
+    if "chosen" in sample:
+        return len(sample["chosen"]) + len(sample["rejected"])
+    if "prompts" in sample:
+        return len(sample["prompts"]) + sum(len(r) for r in sample["responses"])
+    raise KeyError(f"cannot count tokens of a sample with keys {sorted(sample)}; pass size_fn")
+
+
+class SampleBatcher(ABC):
+    """Consumes a stream of samples and yields groups (the selection strategy)."""
+
+    group_size: int | None = None
+    """Samples per group when fixed: the loader then gives each worker whole groups."""
+
+    @abstractmethod
+    def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
+        """Pull from ``samples``; yield one ``list[dict]`` per batch."""
+
+    def sample_size(self, sample: dict) -> int:
+        """Per-sample token cost for packing batchers. Non-packing batchers never call this."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Position after the last yielded group ({}: nothing pending, nothing to skip)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a state: the caller feeds the stream from before `pending` samples."""
+        return None
+
+
+class SimpleBatcher(SampleBatcher):
+    """N samples per group, in stream order; a finite stream's last group may be shorter."""
+
+    def __init__(self, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.group_size = batch_size
+
+    def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
+        samples = iter(samples)
+        while group := list(islice(samples, self.group_size)):
+            yield group
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "batcher": "SimpleBatcher", "batch_size": self.group_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state("SimpleBatcher", state, {"batcher": "SimpleBatcher", "batch_size": self.group_size})
+
+
+def best_fit(sizes: Sequence[int], budget: int) -> list[list[int]]:
+    """Pack positions into groups of at most `budget` tokens: largest first, each into the
+    fullest group it fits (best fit decreasing). Groups in order of opening, positions sorted."""
+    groups: list[list[int]] = []
+    free: list[int] = []
+    for pos in sorted(range(len(sizes)), key=lambda p: (-sizes[p], p)):
+        if sizes[pos] > budget:
+            raise ValueError(f"sample of {sizes[pos]} tokens exceeds the budget of {budget}")
+        fits = [g for g in range(len(groups)) if free[g] >= sizes[pos]]
+        if fits:
+            g = min(fits, key=lambda g: (free[g], g))
+            groups[g].append(pos)
+            free[g] -= sizes[pos]
+        else:
+            groups.append([pos])
+            free.append(budget - sizes[pos])
+    return [sorted(group) for group in groups]
+
+
+class _PackingBatcher(SampleBatcher):
+    """Shared by the packing batchers: the size function, the budget, the counters."""
+
+    name = ""
+
+    def __init__(self, budget: int, size_fn: Callable[[dict], int] | None = None) -> None:
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        self.budget = budget
+        self.size_fn = size_fn or token_count
+        self.counters = {"groups": 0, "samples": 0, "tokens": 0, "dropped": 0}
+        self.pending, self.skip = 0, 0
+
+    def sample_size(self, sample: dict) -> int:
+        return self.size_fn(sample)
+
+    @property
+    def efficiency(self) -> float:
+        """Share of the groups' token budget filled with real tokens (1.0 = no padding)."""
+        groups = self.counters["groups"]
+        return self.counters["tokens"] / (groups * self.budget) if groups else 0.0
+
+    def _count(self, group: list[dict], sizes: list[int]) -> list[dict]:
+        self.counters["groups"] += 1
+        self.counters["samples"] += len(group)
+        self.counters["tokens"] += sum(sizes)
+        return group
+
+    def _setup(self) -> dict[str, Any]:
+        return {"batcher": self.name, "budget": self.budget}
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, **self._setup(), "pending": self.pending, "skip": self.skip}
+
+    def load_state_dict(self, state: dict) -> None:
+        check_state(self.name, state, self._setup())
+        self.pending, self.skip = 0, int(state["skip"])
+
+
+class SequentialPackingBatcher(_PackingBatcher):
+    """Order-preserving: pulls samples into a group until the next one would pass the
+    budget. A sample larger than the budget is dropped and counted (`counters['dropped']`)."""
+
+    name = "SequentialPackingBatcher"
+
+    def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
+        group: list[dict] = []
+        sizes: list[int] = []
+        used = 0
+        for sample in samples:
+            size = self.sample_size(sample)
+            if size > self.budget:
+                self.counters["dropped"] += 1
+                continue
+            if group and used + size > self.budget:
+                self.pending = 1  # this sample opens the next group
+                yield self._count(group, sizes)
+                group, sizes, used = [], [], 0
+            group.append(sample)
+            sizes.append(size)
+            used += size
+        if group:
+            self.pending = 0
+            yield self._count(group, sizes)
+
+
+class PoolPackingBatcher(_PackingBatcher):
+    """Pulls `pool_size` samples, packs them by `best_fit` into groups of at most `budget`
+    tokens and yields those groups before pulling the next pool. Pools never mix, so a
+    resume re-reads at most one pool. Oversized samples are dropped and counted."""
+
+    name = "PoolPackingBatcher"
+
+    def __init__(self, budget: int, pool_size: int = 64, size_fn: Callable[[dict], int] | None = None) -> None:
+        super().__init__(budget, size_fn)
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+        self.pool_size = pool_size
+
+    def _setup(self) -> dict[str, Any]:
+        return {**super()._setup(), "pool_size": self.pool_size}
+
+    def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
+        samples = iter(samples)
+        skip, self.skip = self.skip, 0
+        while pool := list(islice(samples, self.pool_size)):
+            measured = [(s, self.sample_size(s)) for s in pool]
+            kept = [s for s, size in measured if size <= self.budget]
+            sizes = [size for _, size in measured if size <= self.budget]
+            self.counters["dropped"] += len(pool) - len(kept)
+            groups = best_fit(sizes, self.budget)
+            for j, positions in enumerate(groups):
+                last = j == len(groups) - 1
+                self.pending, self.skip = (0, 0) if last else (len(pool), j + 1)
+                if j >= skip:
+                    yield self._count([kept[p] for p in positions], [sizes[p] for p in positions])
+            skip = 0

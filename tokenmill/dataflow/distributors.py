@@ -1,0 +1,370 @@
+"""DataDistributor: the first dataflow role (raw items for a rank) and its built-ins.
+
+DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator. A distributor owns
+the raw data and decides each data-parallel rank's stream. Built-ins give that stream as
+cheap keys (`keys`) and read an item only in `fetch`, so the loader can hand each worker
+whole groups without reading what other workers read.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from tokenmill.dataflow.batchers import token_count
+from tokenmill.sampler import (
+    STATE_VERSION,
+    check_state,
+    data_fingerprint,
+    epoch_end,
+    epoch_order,
+)
+
+__all__ = [
+    "DataDistributor",
+    "IterableDistributor",
+    "MapDistributor",
+    "RankPartitionedDistributor",
+    "MixtureDistributor",
+    "MIXTURE_UNITS",
+    "worker_share",
+    "rank_split",
+    "pick_by_samples",
+    "pick_by_tokens",
+    "trained_tokens",
+]
+
+
+class DataDistributor(ABC):
+    """Owns the raw dataset, shards it disjointly across DP ranks x workers, shuffles, and
+    carries resume state."""
+
+    @abstractmethod
+    def stream(
+        self, dp_rank: int, dp_world_size: int, worker_id: int, num_workers: int
+    ) -> Iterator[Any]:
+        """Yield this (rank, worker)'s disjoint slice of raw items, from the saved position on."""
+
+    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
+        """The rank's whole stream as keys for `fetch`, from the saved position on; once a key
+        is yielded, `state_dict()` is the position after it. Default: the items themselves."""
+        return self.stream(dp_rank, dp_world_size, 0, 1)
+
+    def fetch(self, key: Any) -> Any:
+        """The raw item of a key from `keys`."""
+        return key
+
+    def state_dict(self) -> dict:
+        """Resume state. No-op default; resumable distributors override."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore resume state. No-op default; resumable distributors override."""
+        return None
+
+
+def worker_share(keys: Iterable[Any], worker_id: int, num_workers: int, block: int = 1) -> Iterator[Any]:
+    """Keys of blocks worker_id, worker_id + num_workers, ... of `block` consecutive keys.
+    Pulls no key past the one it yields, so the source's position stays exact."""
+    if not 0 <= worker_id < num_workers or block < 1:
+        raise ValueError(f"need 0 <= worker_id < num_workers and block >= 1, got {worker_id}, {num_workers}, {block}")
+    for q, key in enumerate(keys):
+        if (q // block) % num_workers == worker_id:
+            yield key
+
+
+def _check_coordinates(dp_rank: int, dp_world_size: int) -> None:
+    if dp_world_size < 1 or not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"need 0 <= dp_rank < dp_world_size, got {dp_rank}, {dp_world_size}")
+
+
+class _KeyedDistributor(DataDistributor):
+    """A distributor defined by `keys` and `fetch`; `stream` deals keys round robin to workers."""
+
+    @abstractmethod
+    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]: ...
+
+    def stream(
+        self, dp_rank: int, dp_world_size: int, worker_id: int, num_workers: int
+    ) -> Iterator[Any]:
+        for key in worker_share(self.keys(dp_rank, dp_world_size), worker_id, num_workers):
+            yield self.fetch(key)
+
+
+class MapDistributor(_KeyedDistributor):
+    """A map-style dataset shuffled per epoch by seed + epoch (`sampler.epoch_order`).
+
+    Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
+    count of consumed positions: O(1) to resume, under any world size. Streams `num_epochs`
+    epochs, or indefinitely; `drop_last` as in `RDSampler`."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        seed: int = 42,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        num_epochs: int | None = None,
+    ) -> None:
+        if len(dataset) == 0:
+            raise ValueError("MapDistributor needs a non-empty dataset")
+        self.dataset = dataset
+        self.seed, self.shuffle, self.drop_last, self.num_epochs = seed, shuffle, drop_last, num_epochs
+        self.fingerprint = data_fingerprint(dataset)
+        self.epoch, self.consumed = 0, 0
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._cache is None or self._cache[0] != epoch:
+            self._cache = (epoch, epoch_order(len(self.dataset), self.seed, epoch, self.shuffle))
+        return self._cache[1]
+
+    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[int]:
+        _check_coordinates(dp_rank, dp_world_size)
+        n = len(self.dataset)
+        if self.drop_last and n < dp_world_size:
+            raise ValueError(f"drop_last with {n} items and {dp_world_size} ranks leaves no items")
+        while self.num_epochs is None or self.epoch < self.num_epochs:
+            epoch, start = self.epoch, self.consumed
+            end = epoch_end(n, start, dp_world_size, self.drop_last)
+            order = self._order(epoch)
+            for position in range(start + dp_rank, end, dp_world_size):
+                done = position - dp_rank + dp_world_size  # every rank is past this round
+                self.epoch, self.consumed = (epoch + 1, 0) if done >= end else (epoch, done)
+                yield int(order[position % n])
+            self.epoch, self.consumed = epoch + 1, 0
+
+    def fetch(self, key: int) -> Any:
+        return self.dataset[key]
+
+    def _setup(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "fingerprint": self.fingerprint,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, **self._setup(), "epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state("MapDistributor", state, self._setup())
+        if not 0 <= state["consumed"] <= len(self.dataset):
+            raise ValueError(f"MapDistributor: consumed {state['consumed']} is outside the dataset")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+
+
+class IterableDistributor(_KeyedDistributor):
+    """Any re-iterable (a list, an IterableDataset): item k goes to rank k % dp_world_size.
+    An iterable cannot seek, so resuming reads the consumed items again and drops them; the
+    stream ends with the iterable."""
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        if iter(iterable) is iterable:
+            raise TypeError(
+                "IterableDistributor needs a re-iterable (a list, a dataset), not a one-shot "
+                "iterator: every worker and every resume reads it from the start"
+            )
+        self.iterable = iterable
+        self.fingerprint = f"len={len(iterable)}" if hasattr(iterable, "__len__") else "unsized"
+        self.consumed = 0
+
+    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
+        _check_coordinates(dp_rank, dp_world_size)
+        start = self.consumed
+        for k, item in enumerate(self.iterable):
+            q = k - start
+            if q >= 0 and q % dp_world_size == dp_rank:
+                self.consumed = start + q - dp_rank + dp_world_size
+                yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "fingerprint": self.fingerprint, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state("IterableDistributor", state, {"fingerprint": self.fingerprint})
+        self.consumed = int(state["consumed"])
+
+
+def rank_split(dp_world_size: int, ratios: Sequence[float]) -> list[int]:
+    """Ranks per source, proportional to `ratios` (largest remainder, lowest index on ties)."""
+    if any(r <= 0 for r in ratios) or not ratios:
+        raise ValueError(f"ratios must be positive, got {list(ratios)}")
+    quotas = [dp_world_size * r / sum(ratios) for r in ratios]
+    counts = [int(q) for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (counts[i] - quotas[i], i))
+    for i in by_remainder[: dp_world_size - sum(counts)]:
+        counts[i] += 1
+    for i, count in enumerate(counts):
+        if count == 0:
+            raise ValueError(
+                f"source {i} gets no rank: ratio {ratios[i]} of {dp_world_size} ranks; "
+                "raise its ratio or the world size"
+            )
+    return counts
+
+
+class RankPartitionedDistributor(_KeyedDistributor):
+    """Whole ranks to sources by ratio: with ratios [3, 1] and 8 ranks, ranks 0-5 read source
+    0 (as its ranks 0-5 of 6) and ranks 6-7 read source 1 (as its ranks 0-1 of 2). A rank's
+    state is its source's position: it resumes under the same world size, on the same source."""
+
+    def __init__(self, sources: Sequence[DataDistributor], ratios: Sequence[float]) -> None:
+        if len(sources) != len(ratios):
+            raise ValueError(f"{len(sources)} sources but {len(ratios)} ratios")
+        if not ratios or any(r <= 0 for r in ratios):
+            raise ValueError(f"ratios must be positive, got {list(ratios)}")
+        self.sources, self.ratios = list(sources), [float(r) for r in ratios]
+        self.dp_world_size: int | None = None
+        self.source: int | None = None
+
+    def assignment(self, dp_rank: int, dp_world_size: int) -> tuple[int, int, int]:
+        """(source, rank within the source, ranks of the source) for one rank."""
+        _check_coordinates(dp_rank, dp_world_size)
+        first = 0
+        for source, count in enumerate(rank_split(dp_world_size, self.ratios)):
+            if dp_rank < first + count:
+                return source, dp_rank - first, count
+            first += count
+        raise AssertionError("unreachable: rank_split covers every rank")
+
+    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple[int, Any]]:
+        source, sub_rank, sub_world = self.assignment(dp_rank, dp_world_size)
+        for field, saved, now in (("dp_world_size", self.dp_world_size, dp_world_size), ("source", self.source, source)):
+            if saved is not None and saved != now:
+                raise ValueError(
+                    f"RankPartitionedDistributor cannot resume on rank {dp_rank}: {field}: saved {saved}, now {now}"
+                )
+        self.dp_world_size, self.source = dp_world_size, source
+        for key in self.sources[source].keys(sub_rank, sub_world):
+            yield source, key
+
+    def fetch(self, key: tuple[int, Any]) -> Any:
+        return self.sources[key[0]].fetch(key[1])
+
+    def state_dict(self) -> dict[str, Any]:
+        position = None if self.source is None else self.sources[self.source].state_dict()
+        return {
+            "version": STATE_VERSION,
+            "ratios": self.ratios,
+            "dp_world_size": self.dp_world_size,
+            "source": self.source,
+            "position": position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state("RankPartitionedDistributor", state, {"ratios": self.ratios})
+        self.dp_world_size, self.source = state["dp_world_size"], state["source"]
+        if self.source is not None:
+            self.sources[self.source].load_state_dict(state["position"])
+
+
+MIXTURE_UNITS = ("samples", "tokens")
+
+
+def pick_by_samples(picked: Sequence[int], shares: Sequence[float]) -> int:
+    """The next source so that every prefix of t picks has |picked_i - t * share_i| < 1:
+    Tijdeman's rule (earliest deadline among the sources not ahead of their share)."""
+    if len(shares) == 1:
+        return 0
+    t = sum(picked) + 1
+    slack = 1 / (2 * len(shares) - 2)
+    ready = [i for i, share in enumerate(shares) if t * share - picked[i] >= slack - 1e-9]
+    return min(ready, key=lambda i: ((picked[i] + 1 - slack) / shares[i], i))
+
+
+def pick_by_tokens(tokens: Sequence[int], shares: Sequence[float]) -> int:
+    """The source furthest below its share of the tokens so far (lowest index on ties)."""
+    total = sum(tokens)
+    return max(range(len(shares)), key=lambda i: (shares[i] * total - tokens[i], -i))
+
+
+def trained_tokens(item: dict) -> int:
+    """Tokens an item trains: its masks' True count, or all its tokens when it has no mask."""
+    masks = [item[k] for k in ("loss_mask", "chosen_mask", "rejected_mask") if k in item]
+    masks += list(item.get("masks", []))
+    if masks:
+        return int(sum(int(m.sum()) for m in masks))
+    return token_count(item)
+
+
+class MixtureDistributor(_KeyedDistributor):
+    """A deterministic ratio-weighted merge of sources, each read as the same rank.
+
+    `by="samples"`: every prefix holds each source's share of samples within one sample
+    (`pick_by_samples`); ranks pick alike, so with map-style sources the state is global.
+    `by="tokens"`: shares of trained tokens (`size_fn`, default `trained_tokens`); this reads
+    each item to count it, and the counts are the rank's own. Ends with its first empty source."""
+
+    def __init__(
+        self,
+        sources: Sequence[DataDistributor],
+        weights: Sequence[float],
+        by: str = "samples",
+        size_fn: Callable[[Any], int] | None = None,
+    ) -> None:
+        if len(sources) != len(weights) or not sources:
+            raise ValueError(f"{len(sources)} sources but {len(weights)} weights")
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"weights must be positive, got {list(weights)}")
+        if by not in MIXTURE_UNITS:
+            raise ValueError(f"unknown by={by!r}; valid: {list(MIXTURE_UNITS)}")
+        self.sources, self.weights, self.by = list(sources), [float(w) for w in weights], by
+        self.shares = [w / sum(self.weights) for w in self.weights]
+        self.size_fn = size_fn or trained_tokens
+        self.picked = [0] * len(sources)
+        self.tokens = [0] * len(sources)
+        self.coordinates: list[int] | None = None  # the rank the token counts belong to
+
+    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple]:
+        _check_coordinates(dp_rank, dp_world_size)
+        if self.by == "tokens":
+            now = [dp_rank, dp_world_size]
+            if self.coordinates is not None and self.coordinates != now:
+                raise ValueError(
+                    f"MixtureDistributor(by='tokens') cannot resume: [dp_rank, dp_world_size]: "
+                    f"saved {self.coordinates}, now {now}"
+                )
+            self.coordinates = now
+        streams = [source.keys(dp_rank, dp_world_size) for source in self.sources]
+        end = object()
+        while True:
+            if self.by == "samples":
+                i = pick_by_samples(self.picked, self.shares)
+            else:
+                i = pick_by_tokens(self.tokens, self.shares)
+            key = next(streams[i], end)
+            if key is end:
+                return
+            self.picked[i] += 1
+            if self.by == "samples":
+                yield (i, key)
+            else:  # the item is read here to count it; the key carries it to fetch
+                item = self.sources[i].fetch(key)
+                self.tokens[i] += self.size_fn(item)
+                yield (i, key, item)
+
+    def fetch(self, key: tuple) -> Any:
+        return key[2] if len(key) == 3 else self.sources[key[0]].fetch(key[1])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "by": self.by,
+            "weights": self.weights,
+            "picked": list(self.picked),
+            "tokens": list(self.tokens),
+            "coordinates": self.coordinates,
+            "sources": [source.state_dict() for source in self.sources],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state("MixtureDistributor", state, {"by": self.by, "weights": self.weights})
+        self.picked, self.tokens = list(state["picked"]), list(state["tokens"])
+        self.coordinates = state["coordinates"]
+        for source, saved in zip(self.sources, state["sources"], strict=True):
+            source.load_state_dict(saved)

@@ -1,0 +1,172 @@
+"""DataflowLoader: the four roles in fixed order inside torch DataLoader workers.
+
+DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator -> training step.
+The batch sequence is defined as if one process ran the roles; worker w of N yields
+groups w, w + N, ... of it, and torch's DataLoader returns worker outputs round robin,
+so the sequence is the same for every num_workers and a resume continues it exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
+from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator
+from tokenmill.dataflow.distributors import DataDistributor, worker_share
+from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
+from tokenmill.sampler import STATE_VERSION, check_state, data_parallel_coordinates
+
+__all__ = ["DataflowLoader", "run_roles"]
+
+
+def run_roles(
+    distributor: DataDistributor,
+    processor: RawItemProcessor,
+    batcher: SampleBatcher,
+    collator: BatchCollator,
+    dp_rank: int,
+    dp_world_size: int,
+    worker_id: int = 0,
+    num_workers: int = 1,
+) -> Iterator[tuple[dict, dict, dict]]:
+    """Yield (batch, position, counters) for this worker's groups of the rank's sequence.
+
+    With a fixed group size the worker reads only its own groups' keys; otherwise (packing)
+    every worker runs the rank's whole sequence and collates only its own groups. `position`
+    is the distributor state before the batcher's pending samples plus the batcher state:
+    loading both continues the sequence right after this batch."""
+    block = batcher.group_size
+    keys = distributor.keys(dp_rank, dp_world_size)
+    if block:
+        keys = worker_share(keys, worker_id, num_workers, block)
+    positions = {0: distributor.state_dict()}  # distributor state after each pulled sample
+    pulled = 0
+
+    def samples() -> Iterator[dict]:
+        nonlocal pulled
+        for key in keys:
+            sample = processor.process(distributor.fetch(key))
+            pulled += 1
+            positions[pulled] = distributor.state_dict()
+            yield sample
+
+    for index, group in enumerate(batcher.batches(samples())):
+        batcher_state = batcher.state_dict()
+        restart = pulled - batcher_state.get("pending", 0)
+        position = {"distributor": positions[restart], "batcher": batcher_state}
+        for old in [k for k in positions if k < restart]:
+            del positions[old]
+        if block or index % num_workers == worker_id:
+            yield collator.collate(group), position, dict(getattr(batcher, "counters", {}))
+
+
+class _Roles(IterableDataset):
+    """The DataLoader's dataset: runs the roles for the worker it finds itself in."""
+
+    def __init__(self, loader: DataflowLoader) -> None:
+        self.roles = (loader.distributor, loader.processor, loader.batcher, loader.collator)
+        self.coordinates = (loader.dp_rank, loader.dp_world_size)
+
+    def __iter__(self) -> Iterator[tuple[dict, dict, dict]]:
+        info = get_worker_info()
+        worker = (info.id, info.num_workers) if info is not None else (0, 1)
+        return run_roles(*self.roles, *self.coordinates, *worker)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+class DataflowLoader:
+    """Iterable of batches from the four roles, resumable at any consumed batch.
+
+    `batch_size=N` is shorthand for `SimpleBatcher(N)` + `DefaultBatchCollator()`. DP
+    coordinates come from `dp_rank`/`dp_world_size`, else torch.distributed. `state_dict()`
+    counts batches the training loop received, not what workers prefetched; a state saved
+    under a setup that cannot continue exactly is refused with the field and both values.
+    Fixed-size groups resume under another world size; packing batchers resume on the same
+    rank of the same world size. `timeout` (seconds, num_workers > 0) bounds a stuck worker."""
+
+    def __init__(
+        self,
+        distributor: DataDistributor,
+        processor: RawItemProcessor | None = None,
+        batcher: SampleBatcher | None = None,
+        collator: BatchCollator | None = None,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        dp_rank: int | None = None,
+        dp_world_size: int | None = None,
+        timeout: float = 300.0,
+        pin_memory: bool = False,
+        multiprocessing_context: Any = None,
+    ) -> None:
+        if batch_size is not None:
+            if batcher is not None or collator is not None:
+                raise ValueError("batch_size=N stands for SimpleBatcher(N) + DefaultBatchCollator(); give it or a batcher and collator, not both")
+            batcher, collator = SimpleBatcher(batch_size), DefaultBatchCollator()
+        if batcher is None:
+            raise ValueError("DataflowLoader needs batch_size=N or a batcher")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.distributor, self.batcher = distributor, batcher
+        self.processor = processor or IdentityProcessor()
+        self.collator = collator or DefaultBatchCollator()
+        self.dp_rank, self.dp_world_size = data_parallel_coordinates(dp_rank, dp_world_size)
+        self.num_workers, self.prefetch_factor, self.timeout = num_workers, prefetch_factor, timeout
+        self.pin_memory, self.multiprocessing_context = pin_memory, multiprocessing_context
+        self.consumed_batches = 0
+        self.counters: dict[str, int] = {}
+        self._position = {"distributor": distributor.state_dict(), "batcher": batcher.state_dict()}
+
+    def __iter__(self) -> Iterator[dict]:
+        self.distributor.load_state_dict(self._position["distributor"])
+        self.batcher.load_state_dict(self._position["batcher"])
+        if self.num_workers == 0:
+            outputs: Any = iter(_Roles(self))
+        else:
+            outputs = DataLoader(
+                _Roles(self),
+                batch_size=None,
+                collate_fn=_as_is,
+                num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor,
+                timeout=self.timeout,
+                pin_memory=self.pin_memory,
+                multiprocessing_context=self.multiprocessing_context,
+            )
+        for batch, position, counters in outputs:
+            self._position, self.counters = position, counters
+            self.consumed_batches += 1
+            yield batch
+
+    def _setup(self) -> dict[str, Any]:
+        """Fields a packing state must match: its positions belong to one rank of one world."""
+        if self.batcher.group_size:
+            return {}
+        return {"dp_world_size": self.dp_world_size, "dp_rank": self.dp_rank}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "dp_world_size": self.dp_world_size,
+            "dp_rank": self.dp_rank,
+            "consumed_batches": self.consumed_batches,
+            "position": self._position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state("DataflowLoader", state, self._setup())
+        if not state["position"]["distributor"] and state["consumed_batches"]:
+            raise ValueError(
+                f"DataflowLoader cannot resume at batch {state['consumed_batches']}: "
+                f"{type(self.distributor).__name__} keeps no position (its state_dict() is empty)"
+            )
+        self.distributor.load_state_dict(state["position"]["distributor"])
+        self.batcher.load_state_dict(state["position"]["batcher"])
+        self._position = state["position"]
+        self.consumed_batches = int(state["consumed_batches"])
