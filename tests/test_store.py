@@ -514,7 +514,10 @@ def test_jsonl_lazy_dpo_processor_with_real_tokenizer(tmp_path):
 def test_lazy_line_index_across_chunk_boundaries(tmp_path):
     """Line positions from the 4 MiB numpy scan equal a plain Python scan, blank lines skipped."""
     rng = np.random.default_rng(1)
-    lines = [b"  \n" if i % 7 == 3 else b'{"t": "' + b"x" * int(rng.integers(0, 9000)) + b'"}\n' for i in range(2500)]
+    lines = [
+        b"  \n" if i % 7 == 3 else b'{"t": "' + b"x" * int(rng.integers(0, 9000)) + b'"}\n'
+        for i in range(2500)
+    ]
     path = tmp_path / "big.jsonl"
     path.write_bytes(b"".join(lines) + b'{"t": "last line, no newline"}')
     want, pos = [], 0

@@ -50,6 +50,19 @@ EXTRA = [
         {"role": "user", "content": "Another?"},
         {"role": "assistant", "content": "Red."},
     ],
+    [  # contents hidden in template words: <|im_end|>, user, assistant, <think>
+        {"role": "user", "content": "e"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "user"},
+        {"role": "assistant", "content": "hi"},
+    ],
+    [  # DeepSeek joins system prompts with "\n\n": only the second is followed by a
+        # control token, so preferring that would leave the second unplaced
+        {"role": "system", "content": "Be brief."},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ],
     [  # the same text in two turns: the search must move forward
         {"role": "user", "content": "ok"},
         {"role": "assistant", "content": "ok"},
@@ -57,7 +70,8 @@ EXTRA = [
         {"role": "assistant", "content": "ok"},
     ],
 ]
-CONVERSATIONS = _sharegpt(40) + EXTRA
+# The first 40 real chats, and chat 174 (a user writes "e", twice).
+CONVERSATIONS = [*_sharegpt(40), _sharegpt(175)[174], *EXTRA]
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,28 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="check every shard's sizes, offsets and checksums")
     v.add_argument("dataset")
 
+    i = sub.add_parser("inspect", help="per-domain counts, lengths, trained share, provenance")
+    i.add_argument("dataset")
+    i.add_argument("--json", action="store_true", help="print JSON for machines")
+    i.add_argument("--plot", metavar="PNG", help="write a length histogram and trained share picture")
+
+    s = sub.add_parser("show", help="one sample decoded, trained and masked tokens told apart")
+    s.add_argument("target", help="a dataset folder, or raw records (.jsonl/.json/.parquet)")
+    s.add_argument("--index", type=int, default=0)
+    s.add_argument("--type", choices=["seq", "sft", "instruction", "dpo", "grpo"],
+                   help="raw records: use this training type's built-in config")
+    s.add_argument("-c", "--config", help="raw records: a PipelineConfig file")
+    s.add_argument("--tokenizer", help="tokenizer folder (default: the one the manifest names)")
+    s.add_argument("--ids", action="store_true", help="print token ids too")
+    s.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+
     d = sub.add_parser("demo", help="run the whole flow on the data shipped with tokenmill")
     d.add_argument("-o", "--output", default="out/demo")
 
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, RecordError, FileExistsError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, RecordError, FileExistsError, FileNotFoundError, ValueError, IndexError) as err:
         print(f"tokenmill {args.command}: error: {err}", file=sys.stderr)
         return 2
 
@@ -57,6 +72,32 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
                        workers=args.workers, on_error=args.on_error, engine=args.engine,
                        overwrite=args.overwrite, ray_address=args.ray_address).run()
     print(summary.format())
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from tokenmill.stats import dataset_stats, format_stats, plot_stats
+
+    stats = dataset_stats(args.dataset)
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
+    if args.plot:
+        plot_stats(args.dataset, stats, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from tokenmill.show import show
+
+    config = None
+    if args.config:
+        config = PipelineConfig.from_file(args.config)
+    elif args.type:
+        config = default_config(args.type)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    print(show(args.target, args.index, args.tokenizer, config, color, args.ids))
     return 0
 
 
@@ -87,12 +128,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for train_type, names in DEMO_INPUTS.items():
         print(f"== preprocess {train_type}: {', '.join(names)}", flush=True)
         summary = Pipeline(default_config(train_type), [REPO_DATA / n for n in names],
-                           output_dir=out / train_type, tokenizer_path=tokenizer, overwrite=True).run()
+                           output_dir=out / train_type, tokenizer_path=tokenizer, overwrite=True,
+                           on_error="skip").run()
         print(summary.format(), flush=True)
     return 0
 
 
-COMMANDS = {"preprocess": cmd_preprocess, "verify": cmd_verify, "demo": cmd_demo}
+COMMANDS = {"preprocess": cmd_preprocess, "inspect": cmd_inspect, "show": cmd_show, "verify": cmd_verify,
+            "demo": cmd_demo}
 
 if __name__ == "__main__":
     sys.exit(main())

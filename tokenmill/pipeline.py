@@ -15,6 +15,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from itertools import chain, islice
 from concurrent.futures import Future, ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -118,11 +119,13 @@ class Pipeline:
 
             yield from ray_results(chunks, args, self.workers, self.ray_address)
             return
-        if self.workers == 1:
+        first = list(islice(chunks, 2))
+        if self.workers == 1 or len(first) < 2:  # one chunk: starting worker processes costs more
             setup_worker(*args)
-            for chunk in chunks:
+            for chunk in chain(first, chunks):
                 yield process_chunk(chunk)
             return
+        chunks = chain(first, chunks)
         ctx = get_context("spawn")
         with ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=setup_worker, initargs=args) as pool:
             pending: deque[Future[ChunkResult]] = deque()

@@ -430,6 +430,11 @@ class JsonlStore(Store):
         self._segments = None
         self._lazy_keys: list[str] | None = None
 
+    @property
+    def lazy(self) -> bool:
+        """True when loaded with processor=: records are processed on fetch, no stream access."""
+        return self.processor is not None
+
     def _loaded(self) -> list[Segment]:
         if self.processor is not None:
             raise ValueError(

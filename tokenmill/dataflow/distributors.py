@@ -32,8 +32,7 @@ __all__ = [
     "MIXTURE_UNITS",
     "worker_share",
     "rank_split",
-    "pick_by_samples",
-    "pick_by_tokens",
+    "pick_source",
     "trained_tokens",
 ]
 
@@ -266,21 +265,14 @@ class RankPartitionedDistributor(_KeyedDistributor):
 MIXTURE_UNITS = ("samples", "tokens")
 
 
-def pick_by_samples(picked: Sequence[int], shares: Sequence[float]) -> int:
-    """The next source so that every prefix of t picks has |picked_i - t * share_i| < 1:
-    Tijdeman's rule (earliest deadline among the sources not ahead of their share)."""
-    if len(shares) == 1:
-        return 0
-    t = sum(picked) + 1
-    slack = 1 / (2 * len(shares) - 2)
-    ready = [i for i, share in enumerate(shares) if t * share - picked[i] >= slack - 1e-9]
-    return min(ready, key=lambda i: ((picked[i] + 1 - slack) / shares[i], i))
-
-
-def pick_by_tokens(tokens: Sequence[int], shares: Sequence[float]) -> int:
-    """The source furthest below its share of the tokens so far (lowest index on ties)."""
-    total = sum(tokens)
-    return max(range(len(shares)), key=lambda i: (shares[i] * total - tokens[i], -i))
+def pick_source(counts: Sequence[float], shares: Sequence[float], largest: float = 1) -> int:
+    """The next source of a mixture: among the sources not ahead of their share, the one
+    whose lag would first reach `largest` (one sample). Keeps every prefix within one
+    sample of the shares: |counts_i - share_i * sum(counts)| <= largest."""
+    total = sum(counts)
+    lag = [share * total - count for share, count in zip(shares, counts)]
+    ready = [i for i in range(len(shares)) if lag[i] >= -1e-9 * max(total, 1)]
+    return min(ready, key=lambda i: ((largest - lag[i]) / shares[i], i))
 
 
 def trained_tokens(item: dict) -> int:
@@ -295,10 +287,11 @@ def trained_tokens(item: dict) -> int:
 class MixtureDistributor(_KeyedDistributor):
     """A deterministic ratio-weighted merge of sources, each read as the same rank.
 
-    `by="samples"`: every prefix holds each source's share of samples within one sample
-    (`pick_by_samples`); ranks pick alike, so with map-style sources the state is global.
-    `by="tokens"`: shares of trained tokens (`size_fn`, default `trained_tokens`); this reads
-    each item to count it, and the counts are the rank's own. Ends with its first empty source."""
+    Every prefix holds each source's share within one sample (`pick_source`): of samples
+    (`by="samples"`: ranks pick alike, so with map-style sources the state is global), or
+    of trained tokens (`by="tokens"`, counted by `size_fn`, default `trained_tokens`: this
+    reads each item to count it, and the counts are the rank's own). Ends with its first
+    empty source."""
 
     def __init__(
         self,
@@ -316,36 +309,38 @@ class MixtureDistributor(_KeyedDistributor):
         self.sources, self.weights, self.by = list(sources), [float(w) for w in weights], by
         self.shares = [w / sum(self.weights) for w in self.weights]
         self.size_fn = size_fn or trained_tokens
-        self.picked = [0] * len(sources)
-        self.tokens = [0] * len(sources)
-        self.coordinates: list[int] | None = None  # the rank the token counts belong to
+        self.counts = [0] * len(sources)  # samples or tokens taken from each source
+        self.largest = 1  # the largest sample so far, in the unit of `counts`
+        self.coordinates: list[int] | None = None  # the rank token counts belong to
 
-    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple]:
+    def _check_rank(self, dp_rank: int, dp_world_size: int) -> None:
         _check_coordinates(dp_rank, dp_world_size)
         if self.by == "tokens":
             now = [dp_rank, dp_world_size]
             if self.coordinates is not None and self.coordinates != now:
                 raise ValueError(
-                    f"MixtureDistributor(by='tokens') cannot resume: [dp_rank, dp_world_size]: "
+                    "MixtureDistributor(by='tokens') cannot resume: [dp_rank, dp_world_size]: "
                     f"saved {self.coordinates}, now {now}"
                 )
             self.coordinates = now
+
+    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple]:
+        self._check_rank(dp_rank, dp_world_size)
         streams = [source.keys(dp_rank, dp_world_size) for source in self.sources]
         end = object()
         while True:
-            if self.by == "samples":
-                i = pick_by_samples(self.picked, self.shares)
-            else:
-                i = pick_by_tokens(self.tokens, self.shares)
+            i = pick_source(self.counts, self.shares, self.largest)
             key = next(streams[i], end)
             if key is end:
                 return
-            self.picked[i] += 1
             if self.by == "samples":
+                self.counts[i] += 1
                 yield (i, key)
             else:  # the item is read here to count it; the key carries it to fetch
                 item = self.sources[i].fetch(key)
-                self.tokens[i] += self.size_fn(item)
+                size = self.size_fn(item)
+                self.counts[i] += size
+                self.largest = max(self.largest, size)
                 yield (i, key, item)
 
     def fetch(self, key: tuple) -> Any:
@@ -356,15 +351,15 @@ class MixtureDistributor(_KeyedDistributor):
             "version": STATE_VERSION,
             "by": self.by,
             "weights": self.weights,
-            "picked": list(self.picked),
-            "tokens": list(self.tokens),
+            "counts": list(self.counts),
+            "largest": self.largest,
             "coordinates": self.coordinates,
             "sources": [source.state_dict() for source in self.sources],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("MixtureDistributor", state, {"by": self.by, "weights": self.weights})
-        self.picked, self.tokens = list(state["picked"]), list(state["tokens"])
+        self.counts, self.largest = list(state["counts"]), state["largest"]
         self.coordinates = state["coordinates"]
         for source, saved in zip(self.sources, state["sources"], strict=True):
             source.load_state_dict(saved)

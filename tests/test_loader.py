@@ -1,0 +1,180 @@
+"""DataflowLoader: one batch sequence for every num_workers, exact resume, refusals by
+name, and real worker failures surfacing in the main process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from resume import ToyDataset, check_resume, roles, same, sample_ids
+from torch.utils.data import get_worker_info
+
+from tokenmill.dataflow import (
+    DataflowLoader,
+    DefaultBatchCollator,
+    IterableDistributor,
+    MapDistributor,
+    MixtureDistributor,
+    PoolPackingBatcher,
+    RawItemProcessor,
+    SimpleBatcher,
+    TruncateProcessor,
+)
+from tokenmill.dataflow.distributors import DataDistributor
+from tokenmill.sampler import epoch_order
+
+ROOT = Path(__file__).parent.parent
+
+
+def loader(kind: str = "seq", packing: bool = False, workers: int = 0, size: int = 20, epochs: int = 2, **kw) -> DataflowLoader:
+    batcher, collator = roles(kind, packing)
+    distributor = MapDistributor(ToyDataset(kind, size), seed=9, num_epochs=epochs)
+    return DataflowLoader(distributor, batcher=batcher, collator=collator, num_workers=workers, **kw)
+
+
+def test_batch_size_is_shorthand_for_simple_batcher_and_default_collator():
+    ds = ToyDataset("seq", 10)
+    short = list(DataflowLoader(MapDistributor(ds, num_epochs=1), batch_size=4))
+    long = list(
+        DataflowLoader(MapDistributor(ds, num_epochs=1), batcher=SimpleBatcher(4), collator=DefaultBatchCollator())
+    )
+    assert same(short, long)
+    order = epoch_order(10, 42, 0).tolist()
+    assert [sample_ids(b) for b in short] == [order[0:4], order[4:8], order[8:10]]
+    with pytest.raises(ValueError, match="not both"):
+        DataflowLoader(MapDistributor(ds), batch_size=4, batcher=SimpleBatcher(4))
+
+
+@pytest.mark.parametrize("kind, packing", [("seq", False), ("sft", True), ("grpo", True)])
+def test_the_batch_sequence_is_the_same_for_every_num_workers(kind, packing):
+    reference = list(loader(kind, packing))
+    for workers in (1, 2, 3):
+        assert same(list(loader(kind, packing, workers)), reference), f"num_workers={workers}"
+    ids = sorted(i for b in reference for i in sample_ids(b))
+    assert ids == sorted(list(range(20)) * 2)  # two epochs, every sample once per epoch
+
+
+def test_any_distributor_gives_one_sequence_for_every_num_workers():
+    def make(workers: int) -> DataflowLoader:
+        items = [{"input_ids": torch.tensor([i, i])} for i in range(13)]
+        mixture = MixtureDistributor(
+            [IterableDistributor(items), MapDistributor(items[:5], seed=1, num_epochs=3)], [3, 1]
+        )
+        return DataflowLoader(mixture, batch_size=3, num_workers=workers, processor=TruncateProcessor(1))
+
+    reference = [b["input_ids"].tolist() for b in make(0)]
+    assert reference[:2] == [[[0], [1], [4]], [[2], [3], [4]]]
+    assert [b["input_ids"].tolist() for b in make(2)] == reference
+
+
+@pytest.mark.parametrize("packing, workers", [(False, 0), (False, 2), (True, 0), (True, 2)])
+def test_loader_resumes_exactly_across_an_epoch_boundary(packing, workers):
+    per_epoch = len(list(loader("sft", packing, epochs=1)))
+    check_resume(
+        lambda: loader("sft", packing, workers),
+        iter,
+        points=[per_epoch - 1, per_epoch, per_epoch + 1],
+    )
+
+
+def test_state_counts_consumed_batches_not_prefetched_ones():
+    first = loader(workers=2, prefetch_factor=4)
+    batches = iter(first)
+    for _ in range(3):
+        next(batches)
+    time.sleep(0.5)  # workers prefetch further meanwhile
+    state = first.state_dict()
+    assert state["consumed_batches"] == 3
+    assert state["position"]["distributor"]["consumed"] == 12  # 3 batches of 4
+    assert state["position"]["batcher"] == {"version": 1, "batcher": "SimpleBatcher", "batch_size": 4}
+
+
+def test_a_state_from_another_setup_is_refused_by_name():
+    used = loader()
+    next(iter(used))
+    state = used.state_dict()
+    with pytest.raises(ValueError, match="batch_size: saved 4, now 8"):
+        DataflowLoader(MapDistributor(ToyDataset("seq", 20), seed=9), batch_size=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint: saved 'toy-seq-20-0', now 'toy-seq-21-0'"):
+        DataflowLoader(MapDistributor(ToyDataset("seq", 21), seed=9), batch_size=4).load_state_dict(state)
+    packed = loader("sft", True, dp_rank=1, dp_world_size=2)
+    next(iter(packed))
+    with pytest.raises(ValueError, match="dp_world_size: saved 2, now 1"):
+        loader("sft", True).load_state_dict(packed.state_dict())
+    with pytest.raises(ValueError, match="dp_rank: saved 1, now 0"):
+        loader("sft", True, dp_rank=0, dp_world_size=2).load_state_dict(packed.state_dict())
+
+
+def test_a_distributor_without_state_cannot_resume_midway():
+    class Plain(DataDistributor):
+        def stream(self, dp_rank, dp_world_size, worker_id, num_workers):
+            return iter([{"x": torch.tensor(1)}] * 4)
+
+    used = DataflowLoader(Plain(), batch_size=2)
+    next(iter(used))
+    with pytest.raises(ValueError, match="cannot resume at batch 1: Plain keeps no position"):
+        DataflowLoader(Plain(), batch_size=2).load_state_dict(used.state_dict())
+
+
+def test_packing_counters_reach_the_main_process():
+    packed = DataflowLoader(
+        MapDistributor(ToyDataset("sft", 30), num_epochs=1),
+        batcher=PoolPackingBatcher(24, pool_size=8),
+        collator=roles("sft", True)[1],
+        num_workers=2,
+    )
+    batches = list(packed)
+    assert packed.counters["groups"] == len(batches)
+    tokens = sum(b["num_tokens"] for b in batches)
+    assert packed.counters["tokens"] == tokens == sum(len(ToyDataset("sft", 30)[i]["input_ids"]) for i in range(30))
+
+
+class DieInWorker(RawItemProcessor):
+    """Kills its DataLoader worker process on the item whose first token is `index`."""
+
+    def __init__(self, index: int, sleep: bool = False) -> None:
+        self.index, self.sleep = index, sleep
+
+    def process(self, item: dict) -> dict:
+        if get_worker_info() is not None and int(item["input_ids"][0]) == self.index:
+            if self.sleep:
+                time.sleep(60)
+            os._exit(3)
+        return item
+
+
+@pytest.mark.parametrize("sleep", [False, True], ids=["worker-dies", "worker-hangs"])
+def test_a_dead_or_stuck_worker_raises_in_the_main_process_within_seconds(sleep):
+    victim = epoch_order(20, 9, 0)[10]
+    broken = DataflowLoader(
+        MapDistributor(ToyDataset("seq", 20), seed=9), batch_size=2, processor=DieInWorker(int(victim), sleep),
+        num_workers=2, timeout=3,
+    )
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited unexpectedly|timed out"):
+        for _ in broken:
+            pass
+    assert time.monotonic() - start < 20
+
+
+def test_taking_one_batch_and_exiting_is_clean():
+    script = textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, "tests")
+        from resume import ToyDataset
+        from tokenmill.dataflow import DataflowLoader, MapDistributor
+        loader = DataflowLoader(MapDistributor(ToyDataset("seq", 100)), batch_size=4, num_workers=2)
+        batch = next(iter(loader))
+        print("took", batch["input_ids"].shape[0])
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "took 4"

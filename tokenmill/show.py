@@ -1,0 +1,115 @@
+"""One sample decoded back to text, trained and masked tokens told apart (`tokenmill show`).
+
+Works on shards (via MmapStore) and on raw records with a config and tokenizer,
+so a template can be checked before a whole corpus is preprocessed.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenmill.config import PipelineConfig
+from tokenmill.masking import RecordMasker
+from tokenmill.records import list_inputs, read_records
+from tokenmill.templates import TokenizerBundle, load_tokenizer
+
+GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
+PLAIN_MASKED = ("[masked]", "[/masked]")
+
+
+def render(bundle: TokenizerBundle, ids: np.ndarray, mask: np.ndarray | None, color: bool,
+           show_ids: bool = False) -> str:
+    """Decoded text; masked runs dimmed (color) or wrapped in [masked]...[/masked] (plain)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    mask = np.ones(len(ids), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    out = []
+    start = 0
+    for end in [*np.flatnonzero(np.diff(mask.astype(np.int8))) + 1, len(ids)]:
+        if end == start:
+            continue
+        text = bundle.tokenizer.decode(ids[start:end].tolist(), skip_special_tokens=False)
+        if show_ids:
+            text += " " + str(ids[start:end].tolist())
+        trained = bool(mask[start])
+        if color:
+            out.append((GREEN if trained else DIM) + text + RESET)
+        else:
+            out.append(text if trained else PLAIN_MASKED[0] + text + PLAIN_MASKED[1])
+        start = end
+    return "".join(out)
+
+
+def format_sample(bundle: TokenizerBundle, sample: dict[str, Any], color: bool, show_ids: bool) -> str:
+    """Every token key of one sample, with its mask when it has one."""
+    def mask_of(key: str) -> Any:
+        for name in ("loss_mask" if key == "sequence" else f"{key}_mask", "masks" if key == "responses" else ""):
+            if name in sample:
+                return sample[name]
+        return None
+
+    lines = []
+    trained_total = tokens_total = 0
+    for key, value in sample.items():
+        if key in ("loss_mask", "masks", "position_ids") or key.endswith("_mask"):
+            continue
+        if key == "rewards":
+            lines.append(f"{BOLD if color else ''}rewards{RESET if color else ''}: {np.asarray(value).tolist()}")
+            continue
+        items = value if isinstance(value, list) else [value]
+        masks = mask_of(key)
+        masks = masks if isinstance(masks, list) else [masks] * len(items)
+        for j, (ids, mask) in enumerate(zip(items, masks, strict=True)):
+            title = f"{key}[{j}]" if isinstance(value, list) else key
+            if mask is None:  # no mask key: prompts are context (never trained), anything else trains whole
+                mask = np.full(len(ids), key != "prompts")
+            m = np.asarray(mask, bool)
+            trained_total += int(m.sum())
+            tokens_total += len(ids)
+            header = f"--- {title}: {len(ids)} tokens, {int(m.sum())} trained"
+            lines += [f"{BOLD if color else ''}{header}{RESET if color else ''}",
+                      render(bundle, np.asarray(ids), mask, color, show_ids)]
+    legend = "green = trained, dim = masked" if color else "plain = trained, [masked]...[/masked] = masked"
+    lines.append(f"--- {trained_total} of {tokens_total} tokens trained ({legend})")
+    return "\n".join(lines)
+
+
+def sample_from_shards(root: str | Path, index: int) -> tuple[dict[str, Any], str | None]:
+    """Record `index` of a shard dataset (all keys) and the tokenizer path its manifest names."""
+    from tokenmill.store import MmapStore
+
+    store = MmapStore().load(root)
+    if not 0 <= index < store.num_records:
+        raise IndexError(f"{root}: index {index} out of range [0, {store.num_records})")
+    record = store.fetch_record(index, store.keys)
+    manifest = getattr(store, "manifest", None) or {}
+    return record, manifest.get("tokenizer_path")
+
+
+def sample_from_records(paths: list[str], index: int, config: PipelineConfig, bundle: TokenizerBundle) -> dict:
+    """Record `index` (0-based, over the inputs in order) processed exactly as the pipeline would."""
+    masker = RecordMasker(config, bundle)
+    seen = 0
+    for path in list_inputs(paths):
+        for record in islice(read_records(path), max(0, index - seen), None):
+            return masker.process(record)
+        seen += sum(1 for _ in read_records(path))
+    raise IndexError(f"index {index} out of range: the inputs hold {seen} records")
+
+
+def show(target: str, index: int, tokenizer: str | None, config: PipelineConfig | None,
+         color: bool, show_ids: bool) -> str:
+    path = Path(target)
+    if path.is_dir() and any(path.rglob("meta.json")):
+        sample, manifest_tokenizer = sample_from_shards(path, index)
+        tokenizer = tokenizer or manifest_tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{path}: the manifest names no tokenizer; pass --tokenizer")
+        return format_sample(load_tokenizer(tokenizer), sample, color, show_ids)
+    if config is None or tokenizer is None:
+        raise ValueError("raw records need a config (-c or --type) and --tokenizer")
+    bundle = load_tokenizer(tokenizer)
+    return format_sample(bundle, sample_from_records([target], index, config, bundle), color, show_ids)

@@ -1,0 +1,190 @@
+"""Dataset statistics for `tokenmill inspect`: what a trainer is about to learn from, in numbers.
+
+Reads shards the way the stores do (meta.json + flat arrays, memory-mapped) and
+computes per domain: records, tokens, shards, length percentiles, trained-token
+share, packing fill, DPO length gaps, GRPO group sizes and rewards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenmill.shards import find_shards, read_manifest, read_meta
+
+PERCENTILES = (50, 90, 99)
+
+
+def _array(shard: Path, name: str, dtype: str, count: int) -> np.ndarray:
+    if count == 0:
+        return np.empty(0, dtype=dtype)
+    return np.memmap(shard / name, dtype=dtype, mode="r", shape=(count,))
+
+
+def _bounds(shard: Path, entry: dict, part: str) -> np.ndarray | None:
+    bounds = entry.get(part)
+    if bounds is None:
+        return None
+    if isinstance(bounds, list):
+        return np.asarray(bounds, dtype=np.int64)
+    return _array(shard, bounds["file"], "int64", bounds["count"])
+
+
+def _record_lengths(shard: Path, entry: dict) -> np.ndarray:
+    offsets = _bounds(shard, entry, "offsets")
+    if offsets is None:
+        return np.asarray([entry["shape"][0]], dtype=np.int64)
+    items = _bounds(shard, entry, "items")
+    return np.diff(items[offsets] if items is not None else offsets)
+
+
+def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
+    keys: dict[str, dict[str, Any]] = {}
+    lengths: dict[str, list[np.ndarray]] = {}
+    groups: list[np.ndarray] = []
+    rewards: list[np.ndarray] = []
+    trained: dict[str, int] = {}
+    records = 0
+    for shard in shards:
+        meta = read_meta(shard)
+        first = next(iter(meta.values()))
+        records += len(_record_lengths(shard, first)) if "offsets" in first else 0
+        for key, entry in meta.items():
+            n = entry["shape"][0]
+            info = keys.setdefault(key, {"dtype": entry["dtype"], "elements": 0})
+            info["elements"] += n
+            if entry["dtype"] == "bool":
+                trained[key] = trained.get(key, 0) + int(np.count_nonzero(_array(shard, f"{key}.bin", "bool", n)))
+            elif key == "rewards":
+                rewards.append(np.asarray(_array(shard, f"{key}.bin", entry["dtype"], n), dtype=np.float64))
+            else:
+                lengths.setdefault(key, []).append(_record_lengths(shard, entry))
+            if "items" in entry and key not in ("masks",):
+                offsets = _bounds(shard, entry, "offsets")
+                groups.append(np.diff(offsets))
+    out: dict[str, Any] = {"records": records, "shards": len(shards), "keys": {}}
+    for key, info in keys.items():
+        row: dict[str, Any] = {"dtype": info["dtype"], "tokens": info["elements"]}
+        if key in lengths:
+            lens = np.concatenate(lengths[key])
+            row.update(_percentiles(lens))
+        if key in trained:
+            row["trained_share"] = trained[key] / info["elements"] if info["elements"] else 0.0
+        out["keys"][key] = row
+    if "loss_mask" in trained:
+        out["trained_share"] = out["keys"]["loss_mask"]["trained_share"]
+    if "chosen" in lengths and "rejected" in lengths:
+        gap = np.concatenate(lengths["chosen"]) - np.concatenate(lengths["rejected"])
+        out["dpo_length_gap"] = {"mean": float(gap.mean()), "mean_abs": float(np.abs(gap).mean()),
+                                 "chosen_longer_share": float((gap > 0).mean())}
+    if groups:
+        sizes = np.concatenate(groups)
+        out["grpo_group_size"] = {"min": int(sizes.min()), "mean": float(sizes.mean()), "max": int(sizes.max())}
+    if rewards:
+        r = np.concatenate(rewards)
+        out["grpo_rewards"] = {"mean": float(r.mean()), "std": float(r.std()), "min": float(r.min()),
+                               "max": float(r.max())}
+    fill = _packing_fill(manifest, out)
+    if fill is not None:
+        out["packing_fill"] = fill
+    return out
+
+
+def _percentiles(lens: np.ndarray) -> dict[str, Any]:
+    if len(lens) == 0:
+        return {"p50": 0, "p90": 0, "p99": 0, "max": 0}
+    values = np.percentile(lens, PERCENTILES, method="lower")
+    return {**{f"p{p}": int(v) for p, v in zip(PERCENTILES, values, strict=True)}, "max": int(lens.max())}
+
+
+def _packing_fill(manifest: dict | None, stats: dict) -> float | None:
+    """Share of each packed row's budget holding tokens (1.0 = no padding needed)."""
+    if not manifest or "sequence" not in stats["keys"]:
+        return None
+    pre = manifest.get("config", {}).get("preprocessing", {})
+    if pre.get("packing_strategy", "none") == "none" or not stats["records"]:
+        return None
+    return stats["keys"]["sequence"]["tokens"] / (stats["records"] * pre["max_packed_len"])
+
+
+def dataset_stats(root: str | Path) -> dict[str, Any]:
+    """Statistics of every domain below root, plus the manifest's provenance."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    shards = find_shards(root)
+    if not shards:
+        raise FileNotFoundError(f"{root}: no shard (a folder with meta.json) below it")
+    by_domain: dict[str, list[Path]] = {}
+    for shard in shards:
+        rel = shard.relative_to(root)
+        by_domain.setdefault(rel.parent.as_posix() if rel.parent != Path(".") else "", []).append(shard)
+    domains = {d: domain_stats(s, manifest) for d, s in by_domain.items()}
+    total = sum(d["records"] for d in domains.values())
+    for d in domains.values():
+        d["record_share"] = d["records"] / total if total else 0.0
+    out: dict[str, Any] = {"path": str(root), "domains": domains}
+    if manifest:
+        out["provenance"] = {k: manifest.get(k) for k in (
+            "tool", "fingerprint", "tokenizer_fingerprint", "config_fingerprint", "tokenizer_path")}
+        out["summary"] = manifest.get("summary")
+    return out
+
+
+def format_stats(stats: dict[str, Any]) -> str:
+    lines = [f"dataset {stats['path']}"]
+    for k, v in (stats.get("provenance") or {}).items():
+        lines.append(f"  {k:<22} {v}")
+    for name, d in stats["domains"].items():
+        lines.append("")
+        lines.append(f"domain {name or '(root)'}: {d['records']:,} records, {d['shards']} shard(s), "
+                     f"{d['record_share']:.1%} of records")
+        lines.append(f"  {'key':<16}{'dtype':<9}{'tokens':>14}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}{'trained':>9}")
+        for key, row in d["keys"].items():
+            share = f"{row['trained_share']:.1%}" if "trained_share" in row else ""
+            cells = "".join(f"{row[p]:>8,}" if p in row else f"{'':>8}" for p in ("p50", "p90", "p99", "max"))
+            lines.append(f"  {key:<16}{row['dtype']:<9}{row['tokens']:>14,}{cells}{share:>9}")
+        for extra in ("trained_share", "packing_fill"):
+            if extra in d:
+                lines.append(f"  {extra:<22} {d[extra]:.1%}")
+        for extra in ("dpo_length_gap", "grpo_group_size", "grpo_rewards"):
+            if extra in d:
+                lines.append(f"  {extra:<22} " + ", ".join(f"{k}={v:.3g}" for k, v in d[extra].items()))
+    return "\n".join(lines)
+
+
+def plot_stats(root: str | Path, stats: dict[str, Any], path: str | Path) -> None:
+    """Length histogram per domain and trained share per domain, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    root = Path(root)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in stats["domains"]:
+        folder = root / name if name else root
+        lens = []
+        for shard in find_shards(folder):
+            if name == "" and shard.parent != root:
+                continue
+            meta = read_meta(shard)
+            key = "sequence" if "sequence" in meta else next(iter(meta))
+            lens.append(_record_lengths(shard, meta[key]))
+        if lens:
+            ax1.hist(np.concatenate(lens), bins=50, alpha=0.6, label=name or "(root)")
+    ax1.set(title="record length (tokens of the primary key)", xlabel="tokens", ylabel="records")
+    ax1.legend()
+    names = list(stats["domains"])
+    shares = [stats["domains"][n].get("trained_share", _mean_mask_share(stats["domains"][n])) for n in names]
+    ax2.bar([n or "(root)" for n in names], shares, color="tab:green")
+    ax2.set(title="trained-token share per domain", ylim=(0, 1), ylabel="share of tokens trained")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _mean_mask_share(domain: dict) -> float:
+    shares = [row["trained_share"] for row in domain["keys"].values() if "trained_share" in row]
+    return float(np.mean(shares)) if shares else 1.0
