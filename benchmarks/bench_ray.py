@@ -35,13 +35,23 @@ def run(path: Path, out: Path, workers: int, engine: str) -> tuple[float, int, i
     config = default_config("sft").model_dump(mode="json")
     config["preprocessing"].update(max_seq_len=1_000_000, min_chars=0)
     start = time.perf_counter()
-    summary = Pipeline(PipelineConfig.from_dict(config), [path], out, TOKENIZER, workers=workers,
-                       on_error="skip", engine=engine, overwrite=True, progress=False).run()
+    summary = Pipeline(
+        PipelineConfig.from_dict(config),
+        [path],
+        out,
+        TOKENIZER,
+        workers=workers,
+        on_error="skip",
+        engine=engine,
+        overwrite=True,
+        progress=False,
+    ).run()
     return time.perf_counter() - start, summary.records_read, summary.tokens
 
 
-def main(copies: int = 3, repeats: int = 3, workers: int | None = None,
-         ray_address: str | None = None) -> dict[str, float]:
+def main(
+    copies: int = 3, repeats: int = 3, workers: int | None = None, ray_address: str | None = None
+) -> dict[str, float]:
     import ray
 
     workers = workers or os.cpu_count() or 1
@@ -55,18 +65,29 @@ def main(copies: int = 3, repeats: int = 3, workers: int | None = None,
             path = corpus(copies, Path(tmp))
             for i in range(repeats):
                 for engine in rates:
-                    seconds, records, tokens = run(path, Path(tmp) / f"{engine}{i}", workers, engine)
+                    seconds, records, tokens = run(
+                        path, Path(tmp) / f"{engine}{i}", workers, engine
+                    )
                     rates[engine].append((records / seconds, tokens / seconds))
     finally:
         ray.shutdown()
-    med = {e: (statistics.median(r for r, _ in v), statistics.median(t for _, t in v)) for e, v in rates.items()}
-    print(f"preprocessing engines, chat SFT ({copies}x1000 records, {workers} workers, median of {repeats})")
+    med = {
+        e: (statistics.median(r for r, _ in v), statistics.median(t for _, t in v))
+        for e, v in rates.items()
+    }
+    print(
+        f"preprocessing engines, chat SFT ({copies}x1000 records, {workers} workers, median of {repeats})"
+    )
     print(f"{'engine':<8}{'records/s':>12}{'tokens/s':>14}{'ratio':>8}")
     for engine, (records, tokens) in med.items():
         print(f"{engine:<8}{records:>12,.0f}{tokens:>14,.0f}{tokens / med['local'][1]:>8.2f}")
-    return {"local_tokens_per_s": med["local"][1], "ray_tokens_per_s": med["ray"][1],
-            "local_records_per_s": med["local"][0], "ray_records_per_s": med["ray"][0],
-            "ratio": med["ray"][1] / med["local"][1]}
+    return {
+        "local_tokens_per_s": med["local"][1],
+        "ray_tokens_per_s": med["ray"][1],
+        "local_records_per_s": med["local"][0],
+        "ray_records_per_s": med["ray"][0],
+        "ratio": med["ray"][1] / med["local"][1],
+    }
 
 
 if __name__ == "__main__":

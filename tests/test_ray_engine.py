@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
-
 from malformed import CASES
+
 from tokenmill import ray_engine
 from tokenmill.chunks import iter_chunks
 from tokenmill.config import PipelineConfig, default_config
@@ -54,8 +54,11 @@ def head(src: Path, dst: Path, n: int) -> Path:
 
 
 def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 def assert_same_dataset(out: Path, reference: Path) -> None:
@@ -78,8 +81,13 @@ def mixed_inputs(root: Path) -> list[Path]:
     plain[5] = "\n"
     plain[7] = '{"messages": "hello"}\n'
     (root / "a.jsonl").write_text("".join(plain))
-    (root / "b.jsonl.gz").write_bytes(gzip.compress("".join(chat[9:16] + ["[1]\n"]).encode(), mtime=0))
-    frames = [zstandard.ZstdCompressor().compress("".join(part).encode()) for part in (chat[16:20], chat[20:25])]
+    (root / "b.jsonl.gz").write_bytes(
+        gzip.compress("".join(chat[9:16] + ["[1]\n"]).encode(), mtime=0)
+    )
+    frames = [
+        zstandard.ZstdCompressor().compress("".join(part).encode())
+        for part in (chat[16:20], chat[20:25])
+    ]
     (root / "c.jsonl.zst").write_bytes(b"".join(frames))
     (root / "d.json").write_text(json.dumps([json.loads(x) for x in chat[25:30]] + [7]))
     table = pa.Table.from_pylist([json.loads(x) for x in chat[30:41]])
@@ -88,8 +96,11 @@ def mixed_inputs(root: Path) -> list[Path]:
 
 
 def chunk_view(chunk) -> tuple:
-    return (chunk.index, [(r.source, r.line, repr(r.data)) for r in chunk.records],  # repr: NaN == NaN
-            [(str(e), e.reason, e.field) for e in chunk.read_errors])
+    return (
+        chunk.index,
+        [(r.source, r.line, repr(r.data)) for r in chunk.records],  # repr: NaN == NaN
+        [(str(e), e.reason, e.field) for e in chunk.read_errors],
+    )
 
 
 # ---- planning: no Ray needed ---------------------------------------------------------------
@@ -103,8 +114,12 @@ def test_plans_cut_the_chunks_iter_chunks_cuts(tmp_path):
     scans = [scan_file(str(f)) for f in files]
     for batch_size in (1, 2, 3, 7, 500):
         for max_items in (None, 1, 9, 14, 40):
-            cfg = PipelineConfig.from_dict({"preprocessing": {"batch_size": batch_size, "max_items": max_items},
-                                            "input": {"sections": [{"field": "text"}]}})
+            cfg = PipelineConfig.from_dict(
+                {
+                    "preprocessing": {"batch_size": batch_size, "max_items": max_items},
+                    "input": {"sections": [{"field": "text"}]},
+                }
+            )
             expected = [chunk_view(c) for c in iter_chunks(files, cfg, collect_errors=True)]
             got = [chunk_view(read_chunk(p)) for p in plan_chunks(scans, batch_size, max_items)]
             assert got == expected, (batch_size, max_items)
@@ -139,13 +154,16 @@ def ray_address():
     ray.shutdown()
 
 
-@pytest.mark.parametrize(("train_type", "workers"),
-                         [("seq", 2), ("instruction", 1), ("sft", 2), ("dpo", 2), ("grpo", 1)])
+@pytest.mark.parametrize(
+    ("train_type", "workers"), [("seq", 2), ("instruction", 1), ("sft", 2), ("dpo", 2), ("grpo", 1)]
+)
 def test_every_training_type_matches_the_local_engine(tmp_path, ray_address, train_type, workers):
     src = head(DATA / TYPES[train_type], tmp_path / TYPES[train_type], 40)
     cfg = config(train_type)
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
-    Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=workers, on_error="skip", engine="ray").run()
+    Pipeline(
+        cfg, [src], tmp_path / "ray", QWEN, workers=workers, on_error="skip", engine="ray"
+    ).run()
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
 
 
@@ -157,10 +175,15 @@ def test_every_input_format_and_bad_records_match_the_local_engine(tmp_path, ray
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
     rejects = [json.loads(r) for r in (tmp_path / "ray" / "rejects.jsonl").read_text().splitlines()]
     assert [(Path(r["source"]).name, r["line"], r["reason"]) for r in rejects] == [
-        ("a.jsonl", 3, "bad_json"), ("a.jsonl", 8, "wrong_type"), ("b.jsonl.gz", 8, "not_object"),
-        ("c.jsonl.zst", 2, "no_trained_tokens"), ("c.jsonl.zst", 3, "no_trained_tokens"),
-        ("c.jsonl.zst", 5, "no_trained_tokens"), ("c.jsonl.zst", 6, "no_trained_tokens"),
-        ("d.json", 6, "not_object")]
+        ("a.jsonl", 3, "bad_json"),
+        ("a.jsonl", 8, "wrong_type"),
+        ("b.jsonl.gz", 8, "not_object"),
+        ("c.jsonl.zst", 2, "no_trained_tokens"),
+        ("c.jsonl.zst", 3, "no_trained_tokens"),
+        ("c.jsonl.zst", 5, "no_trained_tokens"),
+        ("c.jsonl.zst", 6, "no_trained_tokens"),
+        ("d.json", 6, "not_object"),
+    ]
     assert (local.records_read, local.records_written) == (42, 34)
 
     with pytest.raises(RecordError, match=r"a\.jsonl:3: invalid JSON"):
@@ -168,7 +191,9 @@ def test_every_input_format_and_bad_records_match_the_local_engine(tmp_path, ray
     assert find_shards(tmp_path / "raise") == [] and read_manifest(tmp_path / "raise") is None
 
 
-def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(tmp_path, ray_address, monkeypatch):
+def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
+    tmp_path, ray_address, monkeypatch
+):
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 40)
     marker = tmp_path / "crashed-once"
 
@@ -194,9 +219,27 @@ def test_driver_killed_then_resumed(tmp_path, ray_address):
     cfg_path = tmp_path / "sft.json"
     cfg_path.write_text(cfg.model_dump_json())
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "preprocess", str(src), "-o", str(out), "-c", str(cfg_path),
-           "--tokenizer", str(QWEN), "--workers", "1", "--on-error", "skip",
-           "--engine", "ray", "--ray-address", ray_address]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "preprocess",
+        str(src),
+        "-o",
+        str(out),
+        "-c",
+        str(cfg_path),
+        "--tokenizer",
+        str(QWEN),
+        "--workers",
+        "1",
+        "--on-error",
+        "skip",
+        "--engine",
+        "ray",
+        "--ray-address",
+        ray_address,
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (out / "shard_00000").exists() and proc.poll() is None and time.time() < deadline:
@@ -209,6 +252,8 @@ def test_driver_killed_then_resumed(tmp_path, ray_address):
     if done.returncode != 0 and "not empty" in done.stderr:
         pytest.xfail("resume pending in pipeline.py")
     assert done.returncode == 0, done.stderr
-    assert (out / "shard_00000" / "sequence.bin").stat().st_mtime_ns == mtime  # reused, not rewritten
+    assert (
+        out / "shard_00000" / "sequence.bin"
+    ).stat().st_mtime_ns == mtime  # reused, not rewritten
     Pipeline(cfg, [src], tmp_path / "clean", QWEN, workers=1, on_error="skip").run()
     assert_same_dataset(out, tmp_path / "clean")

@@ -479,15 +479,25 @@ def test_jsonl_builtin_messages_transform(tmp_path):
 
 
 def test_jsonl_dataset_config_beside_the_data(tmp_path):
+    from tokenmill.config import PipelineConfig
+    from tokenmill.masking import RecordMasker
+    from tokenmill.templates import load_tokenizer
+
     path = chats(tmp_path, 3)
     config = {"input": {"sections": [{"field": "messages", "template": True, "action": "train"}]},
-              "preprocessing": {"min_chars": 1}, "output": {"position_ids_mode": "none"},
-              "tokenizer_path": str(TOKENIZER.relative_to(ROOT))}  # fmt: skip
-    (tmp_path / "dataset_config.json").write_text(json.dumps(config))
+              "preprocessing": {"min_chars": 1}, "output": {"position_ids_mode": "none"}}  # fmt: skip
+    relative = str(TOKENIZER.relative_to(ROOT))
+    (tmp_path / "dataset_config.json").write_text(
+        json.dumps({**config, "tokenizer_path": relative})
+    )
     (tmp_path / "data").symlink_to(ROOT / "data")  # the relative tokenizer_path resolves here
     store = JsonlStore().load(path)
     assert store.keys == ["sequence", "loss_mask"] and store.num_records == 3
-    assert store.fetch_record(0, "loss_mask").all()  # every role trains under action "train"
+    process = RecordMasker(PipelineConfig.from_dict(config), load_tokenizer(TOKENIZER)).process
+    for i, line in enumerate(path.read_text().splitlines()):
+        want = process(json.loads(line))
+        got = store.fetch_record(i, store.keys)
+        assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}
     assert store.fetch_record(0, "sequence")[:3].tolist() == [151644, 8948, 198]
 
 

@@ -207,7 +207,8 @@ def test_generation_prompt_is_never_trained(family, bundles, oracles):
     prompt = {"deepseek-v3": 1, "qwen2.5": 3, "qwen3": 3}[family]
     assert not mask[-prompt:].any()
     assert mask[-prompt - 1]  # the user turn before it trains, as asked
-    assert mask[0] == (family != "deepseek-v3")  # BOS never trains
+    # neither DeepSeek's BOS nor Qwen2.5's injected default system prompt trains; Qwen3 has no preamble
+    assert mask[0] == (family == "qwen3")
 
 
 def test_empty_content_gets_its_own_header_and_end_of_turn(bundles, oracles):
@@ -310,3 +311,16 @@ def test_template_helpers(bundles):
     )
     with pytest.raises(jinja2.exceptions.TemplateError, match="only one message"):
         render_text(helpers, [{"role": "user", "content": "a"}] * 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_preamble_before_the_first_header_never_trains(family, bundles, oracles):
+    """A chat opening with a trained role keeps the template's preamble (default system prompt) masked."""
+    messages = [{"role": "assistant", "content": "Hello there, how can I help?"},
+                {"role": "user", "content": "Tell me a joke."},
+                {"role": "assistant", "content": "No."}]
+    ids, mask = render_conversation(bundles[family], messages, [True, False, True])
+    assert ids.tolist() == _oracle_ids(oracles[family], messages)
+    runs = _trained_runs(bundles[family], ids, mask)
+    assert len(runs) == 2 and "You are Qwen" not in "".join(runs)
+    assert runs[0].endswith("Hello there, how can I help?" + ("<|im_end|>\n" if "qwen" in family else DS_EOS))

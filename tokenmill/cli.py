@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RecordError, FileExistsError, FileNotFoundError, ValueError, IndexError) as err:
         print(f"tokenmill {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tokenmill show ... | head`
+        sys.stderr.close()
+        return 0
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:

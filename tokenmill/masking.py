@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jinja2
 import numpy as np
 
 from tokenmill.config import PipelineConfig, Section
@@ -172,7 +173,7 @@ class RecordMasker:
             try:
                 ids, mask = render_conversation(self.bundle, messages, actions,
                                                 add_generation_prompt=section.generation_prompt)
-            except ValueError as err:
+            except (ValueError, jinja2.TemplateError) as err:  # raise_exception() in a template
                 raise RecordError(record.source, record.line, field, str(err), "template_error") from None
         else:
             if not isinstance(value, str):

@@ -38,12 +38,13 @@ _SKIP_BYTES = 1 << 20
 
 @dataclass
 class FileScan:
-    """Where one file's records are: line (or position) and stream offset of each, read errors."""
+    """Where one file's records are: each one's line (or position) and, for JSONL, the byte
+    offset of its line in the decompressed stream; each read error with the records before it."""
 
     path: str
-    lines: np.ndarray  # int64, one per record
-    offsets: np.ndarray  # int64 byte offset of each record's line in the decompressed stream (JSONL)
-    errors: list[tuple[int, RecordError]]  # (records before it in the file, error)
+    lines: np.ndarray
+    offsets: np.ndarray
+    errors: list[tuple[int, RecordError]]
 
 
 @dataclass
@@ -92,7 +93,9 @@ def _line_starts(path: str, last_line: int) -> np.ndarray:
     return starts
 
 
-def plan_chunks(scans: Iterable[FileScan], batch_size: int, max_items: int | None) -> Iterator[ChunkPlan]:
+def plan_chunks(
+    scans: Iterable[FileScan], batch_size: int, max_items: int | None
+) -> Iterator[ChunkPlan]:
     """Cut the scanned records into the chunks `iter_chunks` cuts: `batch_size` records each, in
     file then line order, a read error in the chunk that was filling when it was met."""
     plan = ChunkPlan(0)
@@ -154,7 +157,7 @@ def _read_jsonl_lines(path: Path, segment: Segment) -> Iterator[Record]:
     """Parse exactly the segment's record lines; the scan already proved each is a JSON object."""
     wanted = segment.lines
     with _open_bytes(path) as stream:
-        _skip(stream, segment.offset)
+        _skip(stream, segment.offset, path)
         taken = 0
         for line, raw in enumerate(stream, start=wanted[0]):
             if line != wanted[taken]:
@@ -165,14 +168,19 @@ def _read_jsonl_lines(path: Path, segment: Segment) -> Iterator[Record]:
             taken += 1
             if taken == len(wanted):
                 return
-    raise RuntimeError(f"{path}: changed since it was scanned (record at line {wanted[taken]} is gone)")
+    raise RuntimeError(
+        f"{path}: changed since it was scanned (record at line {wanted[taken]} is gone)"
+    )
 
 
 def _read_parquet_rows(path: Path, segment: Segment) -> Iterator[Record]:
     """Rows first..first+n, starting at the row group that holds row `first`."""
     with pq.ParquetFile(path) as parquet:
         group, row = 0, 0
-        while group < parquet.num_row_groups and row + parquet.metadata.row_group(group).num_rows <= segment.first:
+        while (
+            group < parquet.num_row_groups
+            and row + parquet.metadata.row_group(group).num_rows <= segment.first
+        ):
             row += parquet.metadata.row_group(group).num_rows
             group += 1
         groups = list(range(group, parquet.num_row_groups))
@@ -187,14 +195,14 @@ def _read_parquet_rows(path: Path, segment: Segment) -> Iterator[Record]:
                         return
 
 
-def _skip(stream: Any, offset: int) -> None:
+def _skip(stream: Any, offset: int, path: Path) -> None:
     if stream.seekable():
         stream.seek(offset)
         return
     while offset > 0:
         data = stream.read(min(offset, _SKIP_BYTES))
         if not data:
-            raise RuntimeError(f"{stream.name}: shorter than when it was scanned")
+            raise RuntimeError(f"{path}: shorter than when it was scanned")
         offset -= len(data)
 
 
@@ -211,7 +219,9 @@ def require_ray() -> ModuleType:
         import ray
         import ray.data  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"engine='ray' needs Ray Data, which is not installed: {INSTALL_HINT}") from err
+        raise ImportError(
+            f"engine='ray' needs Ray Data, which is not installed: {INSTALL_HINT}"
+        ) from err
     return ray
 
 
@@ -219,14 +229,18 @@ class ChunkWorker:
     """One actor of the pool: loads the tokenizer once, then reads, masks and packs chunks."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
-        self.masker = RecordMasker(PipelineConfig.from_dict(config_data), load_tokenizer(tokenizer_path))
+        self.masker = RecordMasker(
+            PipelineConfig.from_dict(config_data), load_tokenizer(tokenizer_path)
+        )
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         results = [
             pickle.dumps(process_chunk(read_chunk(pickle.loads(blob)), self.masker))
             for blob in batch.column("plan").to_pylist()
         ]
-        return pa.table({"index": batch.column("index"), "result": pa.array(results, pa.large_binary())})
+        return pa.table(
+            {"index": batch.column("index"), "result": pa.array(results, pa.large_binary())}
+        )
 
 
 def _scan_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -256,11 +270,13 @@ def ray_results(
     try:
         scans = _scans(ray, files)
         pre = config.preprocessing
-        plans = [p for p in plan_chunks(scans, pre.batch_size, pre.max_items) if p.index >= first_chunk]
-        if not plans:
+        plans = plan_chunks(scans, pre.batch_size, pre.max_items)
+        items = [  # each plan pickled as soon as it is cut: ~5 bytes a record on the driver
+            {"index": p.index, "plan": pickle.dumps(p)} for p in plans if p.index >= first_chunk
+        ]
+        if not items:
             return
         size, cpus = _pool_size(ray, workers)
-        items = [{"index": p.index, "plan": pickle.dumps(p)} for p in plans]
         chunks = _ordered(ray.data.from_items(items, override_num_blocks=len(items)))
         results = chunks.map_batches(
             ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
@@ -272,7 +288,9 @@ def ray_results(
         )
         for expected, row in enumerate(results.iter_rows(), start=first_chunk):
             if row["index"] != expected:
-                raise RuntimeError(f"Ray returned chunk {row['index']} where chunk {expected} was due")
+                raise RuntimeError(
+                    f"Ray returned chunk {row['index']} where chunk {expected} was due"
+                )
             yield pickle.loads(row["result"])
     finally:
         if started:
@@ -284,7 +302,9 @@ def _scans(ray: ModuleType, files: list[Path]) -> Iterator[FileScan]:
     scanned = _ordered(ray.data.from_items(items, override_num_blocks=len(items))).map(_scan_row)
     for expected, row in enumerate(scanned.iter_rows()):
         if row["index"] != expected:
-            raise RuntimeError(f"Ray returned the scan of file {row['index']} where {expected} was due")
+            raise RuntimeError(
+                f"Ray returned the scan of file {row['index']} where {expected} was due"
+            )
         yield pickle.loads(row["scan"])
 
 
@@ -305,4 +325,4 @@ def _pool_size(ray: ModuleType, workers: int | None) -> tuple[int, float]:
     return size, min(1.0, round(cpus / (size + 1), 2))
 
 
-__all__ = ["ray_results", "require_ray", "scan_file", "plan_chunks", "read_chunk", "ChunkPlan", "FileScan"]
+__all__ = ["ray_results", "require_ray", "scan_file", "plan_chunks", "read_chunk"]

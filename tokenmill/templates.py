@@ -249,8 +249,10 @@ def render_conversation(
     found = _locate_contents(text, messages, prompt_start, control)
     located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
     span_starts = _span_starts(text, located, prompt_start, first_char)
-    owner = np.searchsorted(np.asarray(span_starts), first_char, side="right") - 1
-    mask = np.asarray(actions, dtype=bool)[owner] & (first_char < prompt_start)
+    span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
+    starts = np.asarray([0, *span_starts])  # span 0: the template's preamble, never trained
+    owner = np.searchsorted(starts, first_char, side="right") - 1
+    mask = np.asarray([False, *actions], dtype=bool)[owner] & (first_char < prompt_start)
     if bundle.bos_id is not None:
         if ids[:1].tolist() != [bundle.bos_id]:
             ids = np.concatenate([np.asarray([bundle.bos_id], dtype=np.int32), ids])
@@ -427,3 +429,23 @@ def _span_starts(
         token = int(np.searchsorted(token_starts, end + shared, side="right")) - 1
         starts.append(max(end, int(token_starts[token])) if token >= 0 else end + shared)
     return starts
+
+
+def _first_header_start(
+    text: str, messages: list[dict], located: list[tuple[int, int]], starts: list[int],
+    token_starts: np.ndarray,
+) -> int:
+    """Where message 0's header starts, so the preamble before it (a default system prompt) stays masked.
+
+    The header is learned from a later message of the same role (the text between its span start
+    and its content); when none exists, or the preamble does not end with it, the whole preamble
+    belongs to message 0.
+    """
+    role, content_start = messages[0].get("role"), located[0][0]
+    for k in range(1, len(messages)):
+        header = text[starts[k] : located[k][0]]
+        if messages[k].get("role") == role and header and text[:content_start].endswith(header):
+            at = content_start - len(header)
+            token = int(np.searchsorted(token_starts, at, side="right")) - 1
+            return int(token_starts[token]) if token >= 0 else at
+    return 0

@@ -129,20 +129,29 @@ class DataflowLoader:
         if self.num_workers == 0:
             outputs: Any = iter(_Roles(self))
         else:
-            outputs = DataLoader(
-                _Roles(self),
-                batch_size=None,
-                collate_fn=_as_is,
-                num_workers=self.num_workers,
-                prefetch_factor=self.prefetch_factor,
-                timeout=self.timeout,
-                pin_memory=self.pin_memory,
-                multiprocessing_context=self.multiprocessing_context,
+            outputs = iter(
+                DataLoader(
+                    _Roles(self),
+                    batch_size=None,
+                    collate_fn=_as_is,
+                    num_workers=self.num_workers,
+                    prefetch_factor=self.prefetch_factor,
+                    timeout=self.timeout,
+                    pin_memory=self.pin_memory,
+                    multiprocessing_context=self.multiprocessing_context,
+                )
             )
-        for batch, position, counters in outputs:
-            self._position, self.counters = position, counters
-            self.consumed_batches += 1
-            yield batch
+        try:
+            for batch, position, counters in outputs:
+                self._position, self.counters = position, counters
+                self.consumed_batches += 1
+                yield batch
+        finally:
+            # Stop workers now: a traceback holding the iterator would keep a dead worker
+            # registered, and torch would raise again on the next child exit.
+            shutdown = getattr(outputs, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
     def _setup(self) -> dict[str, Any]:
         """Fields a packing state must match: its positions belong to one rank of one world."""
