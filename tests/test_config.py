@@ -93,3 +93,14 @@ def test_default_configs_all_validate():
         assert default_config(name).version == 1
     with pytest.raises(ValueError, match="valid: "):
         default_config("ppo")
+
+
+def test_docs_config_reference_is_generated_from_the_model():
+    from pathlib import Path
+
+    from tokenmill.config import config_reference
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    assert doc.endswith(config_reference()), "docs/config.md is stale: regenerate it from config_reference()"
+    for name in ("max_seq_len", "packing_strategy", "position_ids_mode", "list_field", "mask_key"):
+        assert f".{name}`" in doc

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, RecordError, FileExistsError, FileNotFoundError, ValueError, IndexError) as err:
+    except (ConfigError, RecordError, FileExistsError, FileNotFoundError, ValueError, IndexError,
+            ImportError) as err:
         print(f"tokenmill {args.command}: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `tokenmill show ... | head`

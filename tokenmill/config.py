@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,12 +38,24 @@ class _Strict(BaseModel):
 class Section(_Strict):
     """One record field turned into tokens (or copied, for `action: value`)."""
 
-    field: str
-    action: Literal[ACTIONS] = "train"  # type: ignore[valid-type]
-    template: bool = False
-    add_special_tokens: bool | None = None
-    generation_prompt: bool = False
-    eos: bool = False
+    field: str = Field(description="record key to read (dotted for nested keys)")
+    action: Literal[ACTIONS] = Field(
+        "train",
+        description="train, mask, $role (per chat message, from `mask`), or value (copy the raw number(s), no tokens)",
+    )  # type: ignore[valid-type]
+    template: bool = Field(
+        False, description="render chat messages through the tokenizer's chat template"
+    )
+    add_special_tokens: bool | None = Field(
+        None,
+        description="prepend BOS to a text section; default: true for the first section when it is text",
+    )
+    generation_prompt: bool = Field(
+        False, description="append the template's generation prompt (masked): GRPO prompts"
+    )
+    eos: bool = Field(
+        False, description="append the tokenizer's EOS token, with the section's action"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Section:
@@ -58,23 +71,39 @@ class Section(_Strict):
 class Source(_Strict):
     """One output key of multi-output data (DPO chosen/rejected, GRPO prompts/responses/rewards)."""
 
-    sections: list[Section] = Field(min_length=1)
-    list_field: bool = False
-    mask_key: str | None = None
+    sections: list[Section] = Field(
+        min_length=1, description="sections concatenated into this output key"
+    )
+    list_field: bool = Field(
+        False,
+        description="the field is a list; each element becomes its own token array (GRPO responses)",
+    )
+    mask_key: str | None = Field(
+        None,
+        description="name of the stored mask; default `<output_key>_mask` when some tokens are masked",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Source:
         values = [s.action == "value" for s in self.sections]
         if any(values) and len(self.sections) != 1:
-            raise ValueError('a source with an "action: value" section must have exactly that one section')
+            raise ValueError(
+                'a source with an "action: value" section must have exactly that one section'
+            )
         if self.list_field and len(self.sections) != 1:
             raise ValueError("list_field: true needs exactly one section (the list field)")
         return self
 
 
 class InputConfig(_Strict):
-    sections: list[Section] = Field(default_factory=list)
-    sources: dict[str, Source] | None = None
+    sections: list[Section] = Field(
+        default_factory=list,
+        description="single-output data: sections concatenated into `sequence`",
+    )
+    sources: dict[str, Source] | None = Field(
+        None,
+        description="multi-output data (DPO, GRPO): output key -> source; `sections` is then ignored",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> InputConfig:
@@ -86,33 +115,68 @@ class InputConfig(_Strict):
 
 
 class Preprocessing(_Strict):
-    max_seq_len: int = Field(2048, gt=0)
-    min_chars: int = Field(50, ge=0)
-    max_chars: int = Field(2_000_000, gt=0)
-    max_items: int | None = Field(None, gt=0)
-    batch_size: int = Field(256, gt=0)
-    packing_strategy: Literal[("none", *PACKING_STRATEGIES)] = "simple"  # type: ignore[valid-type]
-    max_packed_len: int = Field(8192, gt=0)
-    truncation_mode: Literal[TRUNCATION_MODES] = "keep_start"  # type: ignore[valid-type]
+    max_seq_len: int = Field(
+        2048, gt=0, description="tokens kept per record (per output for multi-output data)"
+    )
+    min_chars: int = Field(
+        50,
+        ge=0,
+        description="records with fewer text characters are skipped and counted (too_short)",
+    )
+    max_chars: int = Field(
+        2_000_000,
+        gt=0,
+        description="records with more text characters are skipped and counted (too_long)",
+    )
+    max_items: int | None = Field(None, gt=0, description="stop after reading this many records")
+    batch_size: int = Field(
+        256, gt=0, description="records per chunk of work; packing pools never cross chunks"
+    )
+    packing_strategy: Literal[("none", *PACKING_STRATEGIES)] = Field(
+        "simple",
+        description="none (a record per row), simple (in order), bfd (best-fit decreasing), bfd_split (bfd, long records split)",
+    )  # type: ignore[valid-type]
+    max_packed_len: int = Field(8192, gt=0, description="token budget of one packed row")
+    truncation_mode: Literal[TRUNCATION_MODES] = Field(
+        "keep_start", description="which end of a too-long record is kept"
+    )  # type: ignore[valid-type]
 
 
 class Output(_Strict):
-    domain_key: str | None = None
-    storage_format: Literal[STORAGE_FORMATS] = "bin"  # type: ignore[valid-type]
-    max_tokens_per_shard: int = Field(100_000_000, gt=0)
-    dtype: dict[str, Literal[DTYPES]] = Field(default_factory=dict)  # type: ignore[valid-type]
-    position_ids_mode: Literal[POSITION_IDS_MODES] = "doc_reset"  # type: ignore[valid-type]
+    domain_key: str | None = Field(
+        None, description="record field whose value names the domain subfolder"
+    )
+    storage_format: Literal[STORAGE_FORMATS] = Field(
+        "bin", description="bin (memory-mapped shards) or jsonl (one output record per line)"
+    )  # type: ignore[valid-type]
+    max_tokens_per_shard: int = Field(
+        100_000_000,
+        gt=0,
+        description="a shard rolls before it would exceed this many tokens of the primary key",
+    )
+    dtype: dict[str, Literal[DTYPES]] = Field(
+        default_factory=dict, description="per-key dtype override, e.g. {sequence: uint32}"
+    )  # type: ignore[valid-type]
+    position_ids_mode: Literal[POSITION_IDS_MODES] = Field(
+        "doc_reset",
+        description="none, doc_reset (restart at each document), continuous (count through a row)",
+    )  # type: ignore[valid-type]
 
 
 class PipelineConfig(_Strict):
-    version: Literal[1] = 1
-    input: InputConfig
+    version: Literal[1] = Field(1, description="config format version")
+    input: InputConfig = Field(description="which record fields become which output keys")
     mask: dict[str, Literal[ROLE_ACTIONS]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: {"system": "mask", "user": "mask", "assistant": "train"}
+        default_factory=lambda: {"system": "mask", "user": "mask", "assistant": "train"},
+        description="role -> train or mask, for `$role` sections",
     )
-    mask_default: Literal[ROLE_ACTIONS] = "mask"  # type: ignore[valid-type]
-    preprocessing: Preprocessing = Field(default_factory=Preprocessing)
-    output: Output = Field(default_factory=Output)
+    mask_default: Literal[ROLE_ACTIONS] = Field(
+        "mask", description="action of a known role not listed in `mask`"
+    )  # type: ignore[valid-type]
+    preprocessing: Preprocessing = Field(
+        default_factory=Preprocessing, description="lengths, filters, packing"
+    )
+    output: Output = Field(default_factory=Output, description="where and how shards are written")
 
     @field_validator("mask")
     @classmethod
@@ -143,7 +207,9 @@ class PipelineConfig(_Strict):
         try:
             data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (json.JSONDecodeError, yaml.YAMLError) as err:
-            raise ConfigError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {err}") from None
+            raise ConfigError(
+                f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {err}"
+            ) from None
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if k != "tokenizer_path"}
         return cls.from_dict(data, origin=str(path))
@@ -188,7 +254,9 @@ def default_config(train_type: str) -> PipelineConfig:
     """The built-in config for each training type, matching the shipped sample data."""
     if train_type not in DEFAULT_CONFIGS:
         raise ValueError(f"unknown train_type {train_type!r}; valid: {sorted(DEFAULT_CONFIGS)}")
-    return PipelineConfig.from_dict(DEFAULT_CONFIGS[train_type], origin=f"default_config({train_type})")
+    return PipelineConfig.from_dict(
+        DEFAULT_CONFIGS[train_type], origin=f"default_config({train_type})"
+    )
 
 
 _CHAT = {"field": "messages", "template": True, "action": "$role"}
@@ -208,7 +276,9 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "input": {
             "sources": {
                 "chosen": {"sections": [{"field": "chosen", "template": True, "action": "$role"}]},
-                "rejected": {"sections": [{"field": "rejected", "template": True, "action": "$role"}]},
+                "rejected": {
+                    "sections": [{"field": "rejected", "template": True, "action": "$role"}]
+                },
             }
         },
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
@@ -218,12 +288,22 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
             "sources": {
                 "prompts": {
                     "sections": [
-                        {"field": "prompt", "template": True, "action": "mask", "generation_prompt": True}
+                        {
+                            "field": "prompt",
+                            "template": True,
+                            "action": "mask",
+                            "generation_prompt": True,
+                        }
                     ]
                 },
                 "responses": {
                     "sections": [
-                        {"field": "responses", "action": "train", "eos": True, "add_special_tokens": False}
+                        {
+                            "field": "responses",
+                            "action": "train",
+                            "eos": True,
+                            "add_special_tokens": False,
+                        }
                     ],
                     "list_field": True,
                     "mask_key": "masks",
@@ -234,3 +314,29 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
     },
 }
+
+
+def config_reference() -> str:
+    """The config reference (docs/config.md), generated from the model so it cannot go stale."""
+    parts = [
+        (PipelineConfig, ""),
+        (InputConfig, "input."),
+        (Section, "input.sections[]."),
+        (Source, "input.sources.<output_key>."),
+        (Preprocessing, "preprocessing."),
+        (Output, "output."),
+    ]
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for model, prefix in parts:
+        for name, info in model.model_fields.items():
+            kind = str(info.annotation).replace("typing.", "").replace("tokenmill.config.", "")
+            kind = re.sub(r"<class '(\w+)'>", r"\1", kind).replace("|", "\\|")
+            if info.is_required():
+                default = "required"
+            elif info.default_factory is not None:
+                value = info.default_factory()  # type: ignore[call-arg]
+                default = "see below" if isinstance(value, BaseModel) else repr(value)
+            else:
+                default = repr(info.default)
+            rows.append(f"| `{prefix}{name}` | `{kind}` | `{default}` | {info.description or ''} |")
+    return "\n".join(rows) + "\n"

@@ -67,6 +67,10 @@ class Pipeline:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         self.on_error = on_error
         self.engine = engine
+        if engine == "ray":  # fail before touching the output folder
+            from tokenmill.ray_engine import require_ray
+
+            require_ray()
         self.overwrite = overwrite
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.ray_address = ray_address
@@ -117,7 +121,7 @@ class Pipeline:
         if self.engine == "ray":
             from tokenmill.ray_engine import ray_results
 
-            yield from ray_results(chunks, args, self.workers, self.ray_address)
+            yield from ray_results(files, args, self.workers, self.ray_address, first_chunk=chunks_done)
             return
         first = list(islice(chunks, 2))
         if self.workers == 1 or len(first) < 2:  # one chunk: starting worker processes costs more
@@ -146,12 +150,14 @@ class Pipeline:
                 raise err
             errors.append({"source": err.source, "line": err.line, "field": err.field,
                            "reason": err.reason, "message": err.message, "text": str(err)})
-        primary = masker.primary_key()
-        mask_keys = [k for k, t in masker.dtypes().items() if t == "bool"]
+        dtypes = masker.dtypes()
+        mask_keys = [k for k, t in dtypes.items() if t == "bool"]
+        token_keys = [k for k, t in dtypes.items() if t != "bool" and k not in masker.value_keys()
+                      and k != "position_ids"]
         counts = {"records_read": result.records_read, "records_written": result.records_written,
                   "rows": len(result.rows), "dropped_tokens": result.dropped_tokens,
-                  "tokens": sum(row_tokens(row[primary]) for _, row in result.rows),
-                  "trained_tokens": sum(row_trained(row, mask_keys, primary) for _, row in result.rows)}
+                  "tokens": sum(row_tokens(row[k]) for _, row in result.rows for k in token_keys),
+                  "trained_tokens": sum(row_trained(row, mask_keys, token_keys) for _, row in result.rows)}
         rows_per_domain: dict[str, int] = {}
         for domain, _ in result.rows:
             rows_per_domain[domain] = rows_per_domain.get(domain, 0) + 1

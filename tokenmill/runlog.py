@@ -72,9 +72,10 @@ def row_tokens(value: Any) -> int:
     return sum(len(v) for v in value) if isinstance(value, list) else len(value)
 
 
-def row_trained(row: dict, mask_keys: list[str], primary: str) -> int:
+def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:
+    """Trained tokens of a row: its masks' True values, or every token when nothing is masked."""
     if not mask_keys:
-        return row_tokens(row[primary])
+        return sum(row_tokens(row[k]) for k in token_keys)
     total = 0
     for key in mask_keys:
         v = row[key]

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
-from itertools import pairwise
+from itertools import chain, pairwise
 from pathlib import Path
 from typing import Any
 
@@ -242,9 +242,11 @@ def render_conversation(
             prompt_start = len(closed)
     encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int32)
-    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    pairs = encoding.offsets
+    offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
     first_char = offsets[:, 0]
-    is_control = np.isin(ids, _added_ids(bundle.tokenizer))
+    table = _added_table(bundle.tokenizer)
+    is_control = table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
     control = (first_char[is_control], offsets[is_control, 1])
     found = _locate_contents(text, messages, prompt_start, control)
     located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
@@ -268,6 +270,15 @@ def _visible_forms(content: str) -> list[str]:
         forms.append(content.split("</think>")[-1].lstrip("\n"))
     forms.append(content.lstrip("\n"))
     return list(dict.fromkeys(forms))
+
+
+@cache
+def _added_table(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
+    """Lookup table id -> is an added token, for O(1) tests per token."""
+    added = _added_ids(tokenizer)
+    table = np.zeros(int(added.max()) + 2 if len(added) else 1, dtype=bool)
+    table[added] = True
+    return table
 
 
 @cache

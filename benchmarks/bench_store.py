@@ -1,0 +1,248 @@
+"""Store read speed next to a raw np.memmap floor, and store open time from 1e4 to 1e7 records.
+
+Fetch: random windows of SFT shards written by the real ShardWriter, read by MmapStore.fetch,
+by SFTDataset items, and by the floor (the same windows of the same files sliced from np.memmap
+and copied into tensors), in one process and through a DataLoader with 2 workers. Open:
+MmapStore.load + one fetch_record on record-oriented shards of 1e4, 1e6 and 1e7 records.
+Run: python benchmarks/bench_store.py [--quick] [--window 2048] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from tokenmill.datasets import DatasetFactory
+from tokenmill.shards import Column, ShardWriter, write_shard
+from tokenmill.store import StoreFactory
+
+KEYS = ["sequence", "loss_mask", "position_ids"]
+SFT_DTYPES = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
+ROW = 4096  # tokens per written record (one packed row)
+RECORD_TOKENS = 3  # tokens per record of the open-time shards: 1e7 records stay ~200 MB
+
+
+# --- data ---------------------------------------------------------------------------------------
+def write_sft(out: Path, tokens: int, shards: int, seed: int = 0) -> None:
+    """SFT-shaped packed rows through the real ShardWriter, rolled into `shards` shards."""
+    rng = np.random.default_rng(seed)
+    with ShardWriter(out, SFT_DTYPES, "sequence", max_tokens_per_shard=tokens // shards) as writer:
+        for _ in range(tokens // ROW):
+            writer.add(
+                {
+                    "sequence": rng.integers(0, 150_000, ROW, dtype=np.int32),
+                    "loss_mask": rng.random(ROW) < 0.7,
+                    "position_ids": np.arange(ROW, dtype=np.int32) % 1024,
+                }
+            )
+
+
+def write_records(out: Path, records: int, shards: int = 2) -> None:
+    """Record-oriented shards of RECORD_TOKENS tokens per record, via the real write_shard."""
+    per_shard = records // shards
+    for s in range(shards):
+        values = (np.arange(per_shard * RECORD_TOKENS, dtype=np.int64) % 50_000).astype(np.int32)
+        offsets = np.arange(per_shard + 1, dtype=np.int64) * RECORD_TOKENS
+        write_shard(
+            out / f"shard_{s:05d}", {"sequence": Column(values, offsets)}, {"sequence": "int32"}
+        )
+
+
+class FloorDataset(Dataset):
+    """The floor: window i of one shard's files sliced from np.memmap and copied into tensors.
+
+    `extra` tokens past the window are read too (SFT items read one more, for the target).
+    """
+
+    def __init__(self, shard: Path, window: int, extra: int = 0):
+        self.shard, self.window, self.extra = shard, window, extra
+        meta = json.loads((shard / "meta.json").read_text())
+        self.arrays = {
+            k: np.memmap(shard / f"{k}.bin", dtype=meta[k]["dtype"], mode="r") for k in KEYS
+        }
+        self.count = (len(self.arrays["sequence"]) - 1 - window) // window + 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        begin = i * self.window
+        end = begin + self.window + self.extra
+        return {k: torch.from_numpy(np.array(a[begin:end])) for k, a in self.arrays.items()}
+
+
+# --- measuring ----------------------------------------------------------------------------------
+def rate(read: Callable[[int], object], indices: list[int]) -> float:
+    """Windows per second of `read` over `indices`, in this process."""
+    start = time.perf_counter()
+    for i in indices:
+        read(i)
+    return len(indices) / (time.perf_counter() - start)
+
+
+def loader(dataset: Dataset, indices: list[int], batch_size: int, workers: int) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=indices,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+
+
+def loader_rate(batches: DataLoader, windows: int) -> float:
+    """Windows per second of one pass (workers already started by a warm-up pass)."""
+    start = time.perf_counter()
+    for _ in batches:
+        pass
+    return windows / (time.perf_counter() - start)
+
+
+def medians(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Median rate of each run; runs alternate within each repeat so drift hits all alike."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            rates[name].append(run())
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
+def fetch_table(
+    root: Path, window: int, windows: int, repeats: int, batch_size: int, workers: int
+) -> dict[str, float]:
+    one, many = root / "one_shard", root / "eight_shards"
+    floor = FloorDataset(one / "shard_00000", window)
+    floor_sft = FloorDataset(one / "shard_00000", window, extra=1)
+    store = StoreFactory.create("bin", window_size=window).load(one)
+    store8 = StoreFactory.create("bin", window_size=window).load(many)
+    ds = DatasetFactory.load("sft", one, window_size=window)
+    if not len(floor) == len(store) == len(store8) == len(ds):
+        raise RuntimeError(f"window counts differ: {len(floor)}, {len(store)}, {len(ds)}")
+    indices = np.random.default_rng(1).integers(0, len(floor), windows).tolist()
+
+    def fetch(s):  # what store[i] does, spelled out as the seed's API
+        return lambda i: s.fetch(*s.sample_window(i), KEYS)
+
+    single = medians(
+        {
+            "floor": lambda: rate(floor.__getitem__, indices),
+            "store": lambda: rate(fetch(store), indices),
+            "store8": lambda: rate(fetch(store8), indices),
+            "floor_sft": lambda: rate(floor_sft.__getitem__, indices),
+            "sft": lambda: rate(ds.__getitem__, indices),
+        },
+        repeats,
+    )
+    loaders = {
+        "floor": loader(floor, indices, batch_size, workers),
+        "store": loader(store, indices, batch_size, workers),
+        "floor_sft": loader(floor_sft, indices, batch_size, workers),
+        "sft": loader(ds, indices, batch_size, workers),
+    }
+    for batches in loaders.values():  # start the workers, fill the page cache
+        loader_rate(batches, windows)
+    multi = medians(
+        {name: lambda b=b: loader_rate(b, windows) for name, b in loaders.items()}, repeats
+    )
+    loaders.clear()  # drops the iterators, which stops the persistent workers now
+    rows = [
+        ("floor: np.memmap window", "1 process", single["floor"], single["floor"]),
+        ("MmapStore.fetch, 1 shard", "1 process", single["store"], single["floor"]),
+        ("MmapStore.fetch, 8 shards", "1 process", single["store8"], single["floor"]),
+        ("floor: window + 1 token", "1 process", single["floor_sft"], single["floor_sft"]),
+        ("SFTDataset ds[i]", "1 process", single["sft"], single["floor_sft"]),
+        ("floor: np.memmap window", f"DataLoader x{workers}", multi["floor"], multi["floor"]),
+        ("MmapStore store[i]", f"DataLoader x{workers}", multi["store"], multi["floor"]),
+        ("floor: window + 1 token", f"DataLoader x{workers}", multi["floor_sft"], multi["floor_sft"]),
+        ("SFTDataset ds[i]", f"DataLoader x{workers}", multi["sft"], multi["floor_sft"]),
+    ]
+    print(
+        f"random window fetch: window {window}, {windows} random windows of {len(floor)}, "
+        f"keys {KEYS}, batch {batch_size}, median of {repeats}"
+    )
+    print(f"{'path':<28}{'mode':<15}{'windows/s':>12}{'tokens/s':>15}{'ratio':>8}")
+    for name, mode, value, base in rows:
+        print(f"{name:<28}{mode:<15}{value:>12,.0f}{value * window:>15,.0f}{value / base:>8.2f}")
+    return {
+        "fetch_ratio": single["store"] / single["floor"],
+        "fetch_8_shards_ratio": single["store8"] / single["floor"],
+        "sft_item_ratio": single["sft"] / single["floor_sft"],
+        "loader_store_ratio": multi["store"] / multi["floor"],
+        "loader_sft_ratio": multi["sft"] / multi["floor_sft"],
+        "fetch_windows_per_s": single["store"],
+        "floor_windows_per_s": single["floor"],
+    }
+
+
+def open_seconds(path: Path, repeats: int) -> float:
+    """Median of MmapStore.load + one fetch_record (the middle record) over `repeats` opens."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        store = StoreFactory.create("bin").load(path)
+        store.fetch_record(store.num_records // 2, "sequence")
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def open_table(root: Path, sizes: tuple[int, ...], repeats: int) -> dict[str, float]:
+    seconds = {}
+    for records in sizes:
+        path = root / f"records_{records}"
+        write_records(path, records)
+        seconds[records] = open_seconds(path, repeats)
+        shutil.rmtree(path)
+    base = seconds[sizes[0]]
+    print(
+        f"open time: MmapStore.load + fetch_record, 2 shards, {RECORD_TOKENS} tokens per record, "
+        f"median of {repeats}"
+    )
+    print(f"{'records':>12}{'ms':>10}{'ratio':>8}")
+    for records, s in seconds.items():
+        print(f"{records:>12,}{1000 * s:>10.2f}{s / base:>8.2f}")
+    out = {f"open_ms_{n:.0e}".replace("+0", ""): 1000 * s for n, s in seconds.items()}
+    out["open_ratio_largest"] = seconds[sizes[-1]] / base
+    return out
+
+
+def main(
+    quick: bool = False,
+    window: int = 2048,
+    repeats: int = 5,
+    batch_size: int = 16,
+    workers: int = 2,
+) -> dict[str, float]:
+    """Prints the fetch and open-time tables; returns their headline figures."""
+    tokens = (4 if quick else 16) * 2**20
+    windows = 2_000 if quick else 5_000
+    sizes = (10_000, 1_000_000) if quick else (10_000, 1_000_000, 10_000_000)
+    repeats = 3 if quick else repeats
+    with tempfile.TemporaryDirectory(prefix="bench_store_") as tmp:
+        root = Path(tmp)
+        write_sft(root / "one_shard", tokens, shards=1)
+        write_sft(root / "eight_shards", tokens, shards=8)
+        figures = fetch_table(root, window, windows, repeats, batch_size, workers)
+        print()
+        figures |= open_table(root, sizes, 7 if not quick else 5)
+    return figures
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller data, fewer repeats")
+    parser.add_argument("--window", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    main(args.quick, args.window, args.repeats, args.batch_size, args.workers)
