@@ -61,16 +61,21 @@ def write_records(out: Path, records: int, shards: int = 2) -> None:
 class FloorDataset(Dataset):
     """The floor: window i of one shard's files sliced from np.memmap and copied into tensors.
 
-    `extra` tokens past the window are read too (SFT items read one more, for the target).
+    Slices a plain ndarray view of each map, the fastest raw read (np.memmap's own slicing runs
+    Python hooks per slice; NaiveFloor keeps them). `extra` tokens past the window are read
+    too: an SFT item reads one more, for the shifted target.
     """
 
     def __init__(self, shard: Path, window: int, extra: int = 0):
-        self.shard, self.window, self.extra = shard, window, extra
+        self.window, self.extra = window, extra
         meta = json.loads((shard / "meta.json").read_text())
-        self.arrays = {
-            k: np.memmap(shard / f"{k}.bin", dtype=meta[k]["dtype"], mode="r") for k in KEYS
-        }
-        self.count = (len(self.arrays["sequence"]) - 1 - window) // window + 1
+        maps = {k: np.memmap(shard / f"{k}.bin", dtype=meta[k]["dtype"], mode="r") for k in KEYS}
+        self.arrays = {k: self.raw(m) for k, m in maps.items()}
+        self.count = (len(maps["sequence"]) - 1 - window) // window + 1
+
+    @staticmethod
+    def raw(mapped: np.memmap) -> np.ndarray:
+        return mapped.view(np.ndarray)
 
     def __len__(self) -> int:
         return self.count
@@ -79,6 +84,31 @@ class FloorDataset(Dataset):
         begin = i * self.window
         end = begin + self.window + self.extra
         return {k: torch.from_numpy(np.array(a[begin:end])) for k, a in self.arrays.items()}
+
+
+class NaiveFloor(FloorDataset):
+    """The loop most people write first: slices of the np.memmap objects themselves."""
+
+    @staticmethod
+    def raw(mapped: np.memmap) -> np.ndarray:
+        return mapped
+
+
+class SFTItemFloor(FloorDataset):
+    """The least an SFT item costs: window + 1 token, shifted and widened to int64 in numpy."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        begin = i * self.window
+        end = begin + self.window + 1
+        tokens = self.arrays["sequence"][begin:end].astype(np.int64)
+        return {
+            "input_ids": torch.from_numpy(tokens[:-1]),
+            "target_ids": torch.from_numpy(tokens[1:]),
+            "loss_mask": torch.from_numpy(np.array(self.arrays["loss_mask"][begin + 1 : end])),
+            "position_ids": torch.from_numpy(
+                self.arrays["position_ids"][begin : end - 1].astype(np.int64)
+            ),
+        }
 
 
 # --- measuring ----------------------------------------------------------------------------------
@@ -120,65 +150,67 @@ def medians(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, flo
 def fetch_table(
     root: Path, window: int, windows: int, repeats: int, batch_size: int, workers: int
 ) -> dict[str, float]:
-    one, many = root / "one_shard", root / "eight_shards"
-    floor = FloorDataset(one / "shard_00000", window)
-    floor_sft = FloorDataset(one / "shard_00000", window, extra=1)
-    store = StoreFactory.create("bin", window_size=window).load(one)
-    store8 = StoreFactory.create("bin", window_size=window).load(many)
-    ds = DatasetFactory.load("sft", one, window_size=window)
-    if not len(floor) == len(store) == len(store8) == len(ds):
-        raise RuntimeError(f"window counts differ: {len(floor)}, {len(store)}, {len(ds)}")
-    indices = np.random.default_rng(1).integers(0, len(floor), windows).tolist()
+    shard = root / "one_shard" / "shard_00000"
+    floors = {
+        "floor": FloorDataset(shard, window),
+        "naive": NaiveFloor(shard, window),
+        "floor+1": FloorDataset(shard, window, extra=1),
+        "sft_floor": SFTItemFloor(shard, window),
+    }
+    store = StoreFactory.create("bin", window_size=window).load(root / "one_shard")
+    store8 = StoreFactory.create("bin", window_size=window).load(root / "eight_shards")
+    ds = DatasetFactory.load("sft", root / "one_shard", window_size=window)
+    if not len(floors["floor"]) == len(store) == len(store8) == len(ds):
+        raise RuntimeError(f"window counts differ: {len(floors['floor'])}, {len(store)}, {len(ds)}")
+    indices = np.random.default_rng(1).integers(0, len(ds), windows).tolist()
 
     def fetch(s):  # what store[i] does, spelled out as the seed's API
         return lambda i: s.fetch(*s.sample_window(i), KEYS)
 
-    single = medians(
-        {
-            "floor": lambda: rate(floor.__getitem__, indices),
-            "store": lambda: rate(fetch(store), indices),
-            "store8": lambda: rate(fetch(store8), indices),
-            "floor_sft": lambda: rate(floor_sft.__getitem__, indices),
-            "sft": lambda: rate(ds.__getitem__, indices),
-        },
-        repeats,
-    )
-    loaders = {
-        "floor": loader(floor, indices, batch_size, workers),
-        "store": loader(store, indices, batch_size, workers),
-        "floor_sft": loader(floor_sft, indices, batch_size, workers),
-        "sft": loader(ds, indices, batch_size, workers),
-    }
+    reads = {name: f.__getitem__ for name, f in floors.items()}
+    reads |= {"store": fetch(store), "store8": fetch(store8), "sft": ds.__getitem__}
+    single = medians({n: lambda r=r: rate(r, indices) for n, r in reads.items()}, repeats)
+    datasets = {"floor": floors["floor"], "store": store}
+    datasets |= {"floor+1": floors["floor+1"], "sft_floor": floors["sft_floor"], "sft": ds}
+    loaders = {n: loader(d, indices, batch_size, workers) for n, d in datasets.items()}
     for batches in loaders.values():  # start the workers, fill the page cache
         loader_rate(batches, windows)
-    multi = medians(
-        {name: lambda b=b: loader_rate(b, windows) for name, b in loaders.items()}, repeats
-    )
+    multi = medians({n: lambda b=b: loader_rate(b, windows) for n, b in loaders.items()}, repeats)
     loaders.clear()  # drops the iterators, which stops the persistent workers now
-    rows = [
-        ("floor: np.memmap window", "1 process", single["floor"], single["floor"]),
-        ("MmapStore.fetch, 1 shard", "1 process", single["store"], single["floor"]),
-        ("MmapStore.fetch, 8 shards", "1 process", single["store8"], single["floor"]),
-        ("floor: window + 1 token", "1 process", single["floor_sft"], single["floor_sft"]),
-        ("SFTDataset ds[i]", "1 process", single["sft"], single["floor_sft"]),
-        ("floor: np.memmap window", f"DataLoader x{workers}", multi["floor"], multi["floor"]),
-        ("MmapStore store[i]", f"DataLoader x{workers}", multi["store"], multi["floor"]),
-        ("floor: window + 1 token", f"DataLoader x{workers}", multi["floor_sft"], multi["floor_sft"]),
-        ("SFTDataset ds[i]", f"DataLoader x{workers}", multi["sft"], multi["floor_sft"]),
+    rows = [  # (path, figures, name, base name)
+        ("floor: memmap window", single, "floor", "floor"),
+        ("naive: np.memmap slicing", single, "naive", "floor"),
+        ("MmapStore.fetch, 1 shard", single, "store", "floor"),
+        ("MmapStore.fetch, 8 shards", single, "store8", "floor"),
+        ("floor: window + 1 token", single, "floor+1", "floor+1"),
+        ("floor: SFT item in numpy", single, "sft_floor", "floor+1"),
+        ("SFTDataset ds[i]", single, "sft", "floor+1"),
+        ("floor: memmap window", multi, "floor", "floor"),
+        ("MmapStore store[i]", multi, "store", "floor"),
+        ("floor: window + 1 token", multi, "floor+1", "floor+1"),
+        ("floor: SFT item in numpy", multi, "sft_floor", "floor+1"),
+        ("SFTDataset ds[i]", multi, "sft", "floor+1"),
     ]
     print(
-        f"random window fetch: window {window}, {windows} random windows of {len(floor)}, "
-        f"keys {KEYS}, batch {batch_size}, median of {repeats}"
+        f"random window fetch: window {window}, {windows} random windows of {len(ds)}, "
+        f"keys {KEYS}, DataLoader batch {batch_size}, median of {repeats}"
     )
     print(f"{'path':<28}{'mode':<15}{'windows/s':>12}{'tokens/s':>15}{'ratio':>8}")
-    for name, mode, value, base in rows:
-        print(f"{name:<28}{mode:<15}{value:>12,.0f}{value * window:>15,.0f}{value / base:>8.2f}")
+    for path, figures, name, base in rows:
+        mode = "1 process" if figures is single else f"DataLoader x{workers}"
+        value = figures[name]
+        print(
+            f"{path:<28}{mode:<15}{value:>12,.0f}{value * window:>15,.0f}{value / figures[base]:>8.2f}"
+        )
     return {
         "fetch_ratio": single["store"] / single["floor"],
+        "fetch_ratio_vs_naive": single["store"] / single["naive"],
         "fetch_8_shards_ratio": single["store8"] / single["floor"],
-        "sft_item_ratio": single["sft"] / single["floor_sft"],
+        "sft_item_ratio": single["sft"] / single["floor+1"],
+        "sft_item_ratio_vs_item_floor": single["sft"] / single["sft_floor"],
         "loader_store_ratio": multi["store"] / multi["floor"],
-        "loader_sft_ratio": multi["sft"] / multi["floor_sft"],
+        "loader_sft_ratio": multi["sft"] / multi["floor+1"],
+        "loader_sft_ratio_vs_item_floor": multi["sft"] / multi["sft_floor"],
         "fetch_windows_per_s": single["store"],
         "floor_windows_per_s": single["floor"],
     }

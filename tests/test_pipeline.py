@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from malformed import PIPELINE_CASES, PIPELINE_CONFIGS
+
 from tokenmill.config import PipelineConfig, default_config
 from tokenmill.masking import FILTER_REASONS
 from tokenmill.pipeline import Pipeline

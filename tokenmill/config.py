@@ -11,19 +11,21 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tokenmill.packing import PACKING_STRATEGIES, POSITION_IDS_MODES
+from tokenmill.packing import PackingStrategy, PositionIdsMode
 
-ACTIONS = ("train", "mask", "$role", "value")
-ROLE_ACTIONS = ("train", "mask")
+Action = Literal["train", "mask", "$role", "value"]
+RoleAction = Literal["train", "mask"]
+TruncationMode = Literal["keep_start", "keep_end"]
+StorageFormat = Literal["bin", "jsonl"]
+Dtype = Literal["bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32"]
+ACTIONS: tuple[str, ...] = get_args(Action)
+DEFAULT_MASK: dict[str, RoleAction] = {"system": "mask", "user": "mask", "assistant": "train"}
 TRAIN_TYPES = ("seq", "sft", "instruction", "dpo", "grpo")
-STORAGE_FORMATS = ("bin", "jsonl")
-TRUNCATION_MODES = ("keep_start", "keep_end")
-DTYPES = ("bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32")
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -39,10 +41,10 @@ class Section(_Strict):
     """One record field turned into tokens (or copied, for `action: value`)."""
 
     field: str = Field(description="record key to read (dotted for nested keys)")
-    action: Literal[ACTIONS] = Field(
+    action: Action = Field(
         "train",
         description="train, mask, $role (per chat message, from `mask`), or value (copy the raw number(s), no tokens)",
-    )  # type: ignore[valid-type]
+    )
     template: bool = Field(
         False, description="render chat messages through the tokenizer's chat template"
     )
@@ -132,51 +134,51 @@ class Preprocessing(_Strict):
     batch_size: int = Field(
         256, gt=0, description="records per chunk of work; packing pools never cross chunks"
     )
-    packing_strategy: Literal[("none", *PACKING_STRATEGIES)] = Field(
+    packing_strategy: Literal["none", PackingStrategy] = Field(
         "simple",
         description="none (a record per row), simple (in order), bfd (best-fit decreasing), bfd_split (bfd, long records split)",
-    )  # type: ignore[valid-type]
+    )
     max_packed_len: int = Field(8192, gt=0, description="token budget of one packed row")
-    truncation_mode: Literal[TRUNCATION_MODES] = Field(
+    truncation_mode: TruncationMode = Field(
         "keep_start", description="which end of a too-long record is kept"
-    )  # type: ignore[valid-type]
+    )
 
 
 class Output(_Strict):
     domain_key: str | None = Field(
         None, description="record field whose value names the domain subfolder"
     )
-    storage_format: Literal[STORAGE_FORMATS] = Field(
+    storage_format: StorageFormat = Field(
         "bin", description="bin (memory-mapped shards) or jsonl (one output record per line)"
-    )  # type: ignore[valid-type]
+    )
     max_tokens_per_shard: int = Field(
         100_000_000,
         gt=0,
         description="a shard rolls before it would exceed this many tokens of the primary key",
     )
-    dtype: dict[str, Literal[DTYPES]] = Field(
+    dtype: dict[str, Dtype] = Field(
         default_factory=dict, description="per-key dtype override, e.g. {sequence: uint32}"
-    )  # type: ignore[valid-type]
-    position_ids_mode: Literal[POSITION_IDS_MODES] = Field(
+    )
+    position_ids_mode: PositionIdsMode = Field(
         "doc_reset",
         description="none, doc_reset (restart at each document), continuous (count through a row)",
-    )  # type: ignore[valid-type]
+    )
 
 
 class PipelineConfig(_Strict):
     version: Literal[1] = Field(1, description="config format version")
     input: InputConfig = Field(description="which record fields become which output keys")
-    mask: dict[str, Literal[ROLE_ACTIONS]] = Field(  # type: ignore[valid-type]
-        default_factory=lambda: {"system": "mask", "user": "mask", "assistant": "train"},
+    mask: dict[str, RoleAction] = Field(
+        default_factory=lambda: dict(DEFAULT_MASK),
         description="role -> train or mask, for `$role` sections",
     )
-    mask_default: Literal[ROLE_ACTIONS] = Field(
+    mask_default: RoleAction = Field(
         "mask", description="action of a known role not listed in `mask`"
-    )  # type: ignore[valid-type]
+    )
     preprocessing: Preprocessing = Field(
         default_factory=Preprocessing, description="lengths, filters, packing"
     )
-    output: Output = Field(default_factory=Output, description="where and how shards are written")
+    output: Output = Field(default_factory=lambda: Output(), description="where and how shards are written")
 
     @field_validator("mask")
     @classmethod
@@ -328,7 +330,7 @@ def config_reference() -> str:
     ]
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for model, prefix in parts:
-        for name, info in model.model_fields.items():
+        for name, info in model.model_fields.items():  # type: ignore[attr-defined]
             kind = str(info.annotation).replace("typing.", "").replace("tokenmill.config.", "")
             kind = re.sub(r"<class '(\w+)'>", r"\1", kind).replace("|", "\\|")
             if info.is_required():

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 import numpy as np
 
-PACKING_STRATEGIES = ("simple", "bfd", "bfd_split")
-POSITION_IDS_MODES = ("none", "doc_reset", "continuous")
+PackingStrategy = Literal["simple", "bfd", "bfd_split"]
+PositionIdsMode = Literal["none", "doc_reset", "continuous"]
+PACKING_STRATEGIES: tuple[str, ...] = get_args(PackingStrategy)
+POSITION_IDS_MODES: tuple[str, ...] = get_args(PositionIdsMode)
 
 Piece = tuple[int, int, int]
 """(doc_index, start, end): the token range [start, end) of one document placed in a row."""

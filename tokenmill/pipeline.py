@@ -15,8 +15,8 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from itertools import chain, islice
 from concurrent.futures import Future, ProcessPoolExecutor
+from itertools import chain, islice
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
@@ -115,8 +115,8 @@ class Pipeline:
         return summary
 
     def _results(self, files: list[Path], chunks_done: int) -> Iterator[ChunkResult]:
-        chunks = (c for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
-                  if c.index >= chunks_done)
+        chunks: Iterator[Chunk] = (c for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
+                                   if c.index >= chunks_done)
         args = (self.config.model_dump(mode="json"), self.tokenizer_path)
         if self.engine == "ray":
             from tokenmill.ray_engine import ray_results
@@ -144,7 +144,7 @@ class Pipeline:
                  summary: Summary, rejects: list[bytes], bar: Any, skip_rows: dict[str, int],
                  journal: Journal) -> None:
         """Counts a chunk, journals it, then hands its rows to the writers (minus rows already on disk)."""
-        errors = []
+        errors: list[dict[str, Any]] = []
         for err in result.errors:
             if self.on_error == "raise" and err.reason not in FILTER_REASONS:
                 raise err

@@ -63,7 +63,8 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
                 lengths.setdefault(key, []).append(_record_lengths(shard, entry))
             if "items" in entry and key not in ("masks",):
                 offsets = _bounds(shard, entry, "offsets")
-                groups.append(np.diff(offsets))
+                if offsets is not None:
+                    groups.append(np.diff(offsets))
     out: dict[str, Any] = {"records": records, "shards": len(shards), "keys": {}}
     for key, info in keys.items():
         row: dict[str, Any] = {"dtype": info["dtype"], "tokens": info["elements"]}
