@@ -13,7 +13,6 @@ from pathlib import Path
 from tokenmill.config import ConfigError, PipelineConfig, default_config
 from tokenmill.records import RecordError
 
-REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="run the whole flow on the data shipped with tokenmill")
     d.add_argument("-o", "--output", default="out/demo")
+    d.add_argument("--steps", type=int, default=300, help="training steps (stopped and resumed halfway)")
+    d.add_argument("--workers", type=int, default=2, help="DataLoader workers")
 
     args = parser.parse_args(argv)
     try:
@@ -115,26 +116,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-DEMO_INPUTS = {
-    "seq": ["pretrain_c4_300.jsonl"],
-    "instruction": ["instruction_humaneval.jsonl"],
-    "sft": ["chat_sharegpt_1000.jsonl"],
-    "dpo": ["dpo_en_300.jsonl"],
-    "grpo": ["grpo_from_dpo_300.jsonl"],
-}
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tokenmill.pipeline import Pipeline
+    from tokenmill.demo import run_demo
 
-    tokenizer = REPO_DATA / "tokenizers" / "qwen2.5"
-    out = Path(args.output)
-    for train_type, names in DEMO_INPUTS.items():
-        print(f"== preprocess {train_type}: {', '.join(names)}", flush=True)
-        summary = Pipeline(default_config(train_type), [REPO_DATA / n for n in names],
-                           output_dir=out / train_type, tokenizer_path=tokenizer, overwrite=True,
-                           on_error="skip").run()
-        print(summary.format(), flush=True)
+    def log(line: str) -> None:
+        print(line, flush=True)
+
+    run_demo(Path(args.output), steps=args.steps, stop_at=args.steps // 2, num_workers=args.workers, log=log)
     return 0
 
 
