@@ -35,7 +35,10 @@ def corpus(copies: int, folder: Path) -> Path:
 
 def floor(path: Path) -> tuple[float, int]:
     bundle = load_tokenizer(TOKENIZER)
-    texts = [render_text(bundle, orjson.loads(line)["messages"]) for line in path.read_bytes().splitlines()]
+    texts = [
+        render_text(bundle, orjson.loads(line)["messages"])
+        for line in path.read_bytes().splitlines()
+    ]
     start = time.perf_counter()
     encodings = bundle.tokenizer.encode_batch(texts, add_special_tokens=False)
     seconds = time.perf_counter() - start
@@ -48,8 +51,15 @@ def pipeline(path: Path, out: Path, workers: int) -> tuple[float, int]:
     from tokenmill.config import PipelineConfig
 
     start = time.perf_counter()
-    summary = Pipeline(PipelineConfig.from_dict(config), [path], out, TOKENIZER, workers=workers,
-                       overwrite=True, progress=False).run()
+    summary = Pipeline(
+        PipelineConfig.from_dict(config),
+        [path],
+        out,
+        TOKENIZER,
+        workers=workers,
+        overwrite=True,
+        progress=False,
+    ).run()
     return time.perf_counter() - start, summary.tokens
 
 
@@ -64,7 +74,9 @@ def main(copies: int = 3, repeats: int = 3, workers: int | None = None) -> dict[
             seconds, written = pipeline(path, Path(tmp) / f"out{i}", workers)
             runs.append(written / seconds)
     f, p = statistics.median(floors), statistics.median(runs)
-    print(f"preprocessing, chat SFT ({copies}x1000 records, {workers} workers, median of {repeats})")
+    print(
+        f"preprocessing, chat SFT ({copies}x1000 records, {workers} workers, median of {repeats})"
+    )
     print(f"{'what':<34}{'tokens/s':>14}{'ratio':>8}")
     print(f"{'floor: tokenizers encode_batch':<34}{f:>14,.0f}{1.0:>8.2f}")
     print(f"{'tokenmill Pipeline (end to end)':<34}{p:>14,.0f}{p / f:>8.2f}")

@@ -113,11 +113,12 @@ class SFTItemFloor(FloorDataset):
 
 # --- measuring ----------------------------------------------------------------------------------
 def rate(read: Callable[[int], object], indices: list[int]) -> float:
-    """Windows per second of `read` over `indices`, in this process."""
-    start = time.perf_counter()
+    """Windows per CPU second of `read` over `indices` in this process: time a busy neighbour
+    takes the core away does not count."""
+    start = time.process_time()
     for i in indices:
         read(i)
-    return len(indices) / (time.perf_counter() - start)
+    return len(indices) / (time.process_time() - start)
 
 
 def loader(dataset: Dataset, indices: list[int], batch_size: int, workers: int) -> DataLoader:
@@ -138,13 +139,20 @@ def loader_rate(batches: DataLoader, windows: int) -> float:
     return windows / (time.perf_counter() - start)
 
 
-def medians(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
-    """Median rate of each run; runs alternate within each repeat so drift hits all alike."""
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            rates[name].append(run())
-    return {name: statistics.median(r) for name, r in rates.items()}
+def rounds(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each run's figure in each of `repeats` rounds; a round runs them all back to back,
+    starting one later each time, so drift on a shared machine hits every run alike."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            figures[name].append(runs[name]())
+    return figures
+
+
+def paired_ratio(figures: dict[str, list[float]], name: str, base: str) -> float:
+    """Median over rounds of name / base within the round: steadier than a ratio of medians."""
+    return statistics.median(a / b for a, b in zip(figures[name], figures[base], strict=True))
 
 
 def fetch_table(
@@ -162,20 +170,23 @@ def fetch_table(
     ds = DatasetFactory.load("sft", root / "one_shard", window_size=window)
     if not len(floors["floor"]) == len(store) == len(store8) == len(ds):
         raise RuntimeError(f"window counts differ: {len(floors['floor'])}, {len(store)}, {len(ds)}")
-    indices = np.random.default_rng(1).integers(0, len(ds), windows).tolist()
+    # single-process reads are ~20x faster than DataLoader batches: twice the windows and
+    # three times the rounds, so their in-round ratios ride out a busy neighbour
+    many = np.random.default_rng(1).integers(0, len(ds), 2 * windows).tolist()
+    indices = many[:windows]
 
     def fetch(s):  # what store[i] does, spelled out as the seed's API
         return lambda i: s.fetch(*s.sample_window(i), KEYS)
 
     reads = {name: f.__getitem__ for name, f in floors.items()}
     reads |= {"store": fetch(store), "store8": fetch(store8), "sft": ds.__getitem__}
-    single = medians({n: lambda r=r: rate(r, indices) for n, r in reads.items()}, repeats)
+    single = rounds({n: lambda r=r: rate(r, many) for n, r in reads.items()}, 3 * repeats)
     datasets = {"floor": floors["floor"], "store": store}
     datasets |= {"floor+1": floors["floor+1"], "sft_floor": floors["sft_floor"], "sft": ds}
     loaders = {n: loader(d, indices, batch_size, workers) for n, d in datasets.items()}
     for batches in loaders.values():  # start the workers, fill the page cache
         loader_rate(batches, windows)
-    multi = medians({n: lambda b=b: loader_rate(b, windows) for n, b in loaders.items()}, repeats)
+    multi = rounds({n: lambda b=b: loader_rate(b, windows) for n, b in loaders.items()}, repeats)
     loaders.clear()  # drops the iterators, which stops the persistent workers now
     rows = [  # (path, figures, name, base name)
         ("floor: memmap window", single, "floor", "floor"),
@@ -192,47 +203,48 @@ def fetch_table(
         ("SFTDataset ds[i]", multi, "sft", "floor+1"),
     ]
     print(
-        f"random window fetch: window {window}, {windows} random windows of {len(ds)}, "
-        f"keys {KEYS}, DataLoader batch {batch_size}, median of {repeats}"
+        f"random window fetch: window {window}, keys {KEYS}, {len(ds)} windows; 1 process: "
+        f"{len(many)} random windows per CPU second; DataLoader: {windows} per wall second, "
+        f"batch {batch_size}; medians of {3 * repeats} and {repeats} rounds, "
+        "ratio = median of in-round ratios"
     )
     print(f"{'path':<28}{'mode':<15}{'windows/s':>12}{'tokens/s':>15}{'ratio':>8}")
     for path, figures, name, base in rows:
         mode = "1 process" if figures is single else f"DataLoader x{workers}"
-        value = figures[name]
-        print(
-            f"{path:<28}{mode:<15}{value:>12,.0f}{value * window:>15,.0f}{value / figures[base]:>8.2f}"
-        )
+        value = statistics.median(figures[name])
+        ratio = paired_ratio(figures, name, base)
+        print(f"{path:<28}{mode:<15}{value:>12,.0f}{value * window:>15,.0f}{ratio:>8.2f}")
     return {
-        "fetch_ratio": single["store"] / single["floor"],
-        "fetch_ratio_vs_naive": single["store"] / single["naive"],
-        "fetch_8_shards_ratio": single["store8"] / single["floor"],
-        "sft_item_ratio": single["sft"] / single["floor+1"],
-        "sft_item_ratio_vs_item_floor": single["sft"] / single["sft_floor"],
-        "loader_store_ratio": multi["store"] / multi["floor"],
-        "loader_sft_ratio": multi["sft"] / multi["floor+1"],
-        "loader_sft_ratio_vs_item_floor": multi["sft"] / multi["sft_floor"],
-        "fetch_windows_per_s": single["store"],
-        "floor_windows_per_s": single["floor"],
+        "fetch_ratio": paired_ratio(single, "store", "floor"),
+        "fetch_ratio_vs_naive": paired_ratio(single, "store", "naive"),
+        "fetch_8_shards_ratio": paired_ratio(single, "store8", "floor"),
+        "sft_item_ratio": paired_ratio(single, "sft", "floor+1"),
+        "sft_item_ratio_vs_item_floor": paired_ratio(single, "sft", "sft_floor"),
+        "loader_store_ratio": paired_ratio(multi, "store", "floor"),
+        "loader_sft_ratio": paired_ratio(multi, "sft", "floor+1"),
+        "loader_sft_ratio_vs_item_floor": paired_ratio(multi, "sft", "sft_floor"),
+        "fetch_windows_per_s": statistics.median(single["store"]),
+        "floor_windows_per_s": statistics.median(single["floor"]),
     }
 
 
-def open_seconds(path: Path, repeats: int) -> float:
-    """Median of MmapStore.load + one fetch_record (the middle record) over `repeats` opens."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        store = StoreFactory.create("bin").load(path)
-        store.fetch_record(store.num_records // 2, "sequence")
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def open_seconds(path: Path) -> float:
+    """Seconds of MmapStore.load + one fetch_record (the middle record)."""
+    start = time.perf_counter()
+    store = StoreFactory.create("bin").load(path)
+    store.fetch_record(store.num_records // 2, "sequence")
+    return time.perf_counter() - start
 
 
 def open_table(root: Path, sizes: tuple[int, ...], repeats: int) -> dict[str, float]:
-    seconds = {}
-    for records in sizes:
-        path = root / f"records_{records}"
+    """Writes every size first, then opens them in turn, so the sizes share the same moments."""
+    paths = {n: root / f"records_{n}" for n in sizes}
+    for records, path in paths.items():
         write_records(path, records)
-        seconds[records] = open_seconds(path, repeats)
+        open_seconds(path)  # warm-up: meta.json and the touched pages in the page cache
+    times = rounds({n: lambda p=p: open_seconds(p) for n, p in paths.items()}, repeats)
+    seconds = {n: statistics.median(t) for n, t in times.items()}
+    for path in paths.values():
         shutil.rmtree(path)
     base = seconds[sizes[0]]
     print(
@@ -265,7 +277,7 @@ def main(
         write_sft(root / "eight_shards", tokens, shards=8)
         figures = fetch_table(root, window, windows, repeats, batch_size, workers)
         print()
-        figures |= open_table(root, sizes, 7 if not quick else 5)
+        figures |= open_table(root, sizes, 5 if quick else 11)
     return figures
 
 

@@ -68,7 +68,7 @@ def run_once(checkpoint: Path, num_workers: int, packing: bool, kill_at: int | N
                 return False
             ours.send("go")
     finally:
-        child.join(30)
+        child.join()  # waitpid: no timeout, since a timed join waits for orphaned workers too
         ours.close()
 
 
