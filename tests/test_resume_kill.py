@@ -30,7 +30,9 @@ def make_loader(num_workers: int, packing: bool) -> DataflowLoader:
 
 def train(checkpoint: Path, num_workers: int, packing: bool, conn) -> None:
     """The training loop: resume if a checkpoint exists, save one every EVERY steps (write
-    aside, then rename), report each step's sample ids and wait for the go-ahead."""
+    aside, then rename), report each step's sample ids and wait for the go-ahead. It leads
+    its own process group, so one SIGKILL stops it and its DataLoader workers together."""
+    os.setpgid(0, 0)
     loader = make_loader(num_workers, packing)
     step = 0
     if checkpoint.exists():
@@ -64,11 +66,11 @@ def run_once(checkpoint: Path, num_workers: int, packing: bool, kill_at: int | N
             step, ids = message
             assert logged.setdefault(step, ids) == ids, f"step {step} replayed differently"
             if step == kill_at:
-                os.kill(child.pid, signal.SIGKILL)
+                os.killpg(child.pid, signal.SIGKILL)
                 return False
             ours.send("go")
     finally:
-        child.join()  # waitpid: no timeout, since a timed join waits for orphaned workers too
+        child.join()
         ours.close()
 
 
