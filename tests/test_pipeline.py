@@ -18,8 +18,9 @@ from tokenmill.config import PipelineConfig, default_config
 from tokenmill.masking import FILTER_REASONS
 from tokenmill.pipeline import Pipeline
 from tokenmill.records import RecordError
-from tokenmill.shards import find_shards, read_manifest, verify_dataset
+from tokenmill.shards import find_shards, read_manifest
 from tokenmill.store import MmapStore
+from tokenmill.verify import verify_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"

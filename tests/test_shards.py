@@ -19,10 +19,10 @@ from tokenmill.shards import (
     find_shards,
     read_manifest,
     read_meta,
-    verify_dataset,
     write_manifest,
     write_shard,
 )
+from tokenmill.verify import verify_dataset
 
 SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
 GRPO = {"prompts": "int32", "responses": "int32", "masks": "bool", "rewards": "float32"}

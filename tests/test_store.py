@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.shards import ShardWriter, verify_dataset, write_manifest
+from tokenmill.shards import ShardWriter, write_manifest
 from tokenmill.store import (
     JsonlStore,
     MmapStore,
@@ -21,6 +21,7 @@ from tokenmill.store import (
     window_bounds,
     window_count,
 )
+from tokenmill.verify import verify_dataset
 
 ROOT = Path(__file__).parent.parent
 SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}

@@ -23,7 +23,7 @@ _EXPORTS = {
     "Store": "tokenmill.store",
     "MmapStore": "tokenmill.store",
     "JsonlStore": "tokenmill.store",
-    "verify_dataset": "tokenmill.shards",
+    "verify_dataset": "tokenmill.verify",
     "DatasetFactory": "tokenmill.datasets",
     "SEQDataset": "tokenmill.datasets",
     "SFTDataset": "tokenmill.datasets",

@@ -14,7 +14,6 @@ from tokenmill.config import ConfigError, PipelineConfig, default_config
 from tokenmill.records import RecordError
 
 
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,7 +106,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tokenmill.shards import verify_dataset
+    from tokenmill.verify import verify_dataset
 
     problems = verify_dataset(Path(args.dataset))
     for problem in problems:

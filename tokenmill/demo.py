@@ -60,7 +60,12 @@ class Indexed:
 
 
 def make_loader(dataset: Any, num_workers: int) -> Any:
-    from tokenmill.dataflow import DataflowLoader, MapDistributor, PackedCollator, SequentialPackingBatcher
+    from tokenmill.dataflow import (
+        DataflowLoader,
+        MapDistributor,
+        PackedCollator,
+        SequentialPackingBatcher,
+    )
 
     class IndexedPackedCollator(PackedCollator):
         def collate(self, samples: list[dict]) -> dict:

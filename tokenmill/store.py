@@ -33,8 +33,8 @@ from tokenmill.shards import (
     read_manifest,
     read_meta,
     shard_records,
-    verify_dataset,
 )
+from tokenmill.verify import verify_dataset
 
 Transform = Callable[[dict], dict]
 

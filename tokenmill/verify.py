@@ -1,0 +1,164 @@
+"""`tokenmill verify`: every shard checked against its meta.json and the manifest.
+
+Beside shards.py (the format): sizes, xxh64 checksums, offsets monotonic and in
+range, leftover temp folders, and manifest agreement; each problem names its
+shard, file and key, so a truncated or corrupted dataset is found before training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from tokenmill.shards import (
+    DTYPES,
+    OFFSET_DTYPE,
+    TMP_MARK,
+    bounds_count,
+    find_shards,
+    is_tmp,
+    primary_key,
+    read_manifest,
+    read_meta,
+    shard_records,
+)
+
+
+def file_checksum(path: Path) -> str:
+    digest = xxhash.xxh64()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
+    """Every problem found below root, each naming shard, file and key; [] means the dataset is sound."""
+    root = Path(root)
+    if not root.is_dir():
+        return [f"{root}: not a folder"]
+    problems = [
+        f"{p.relative_to(root).as_posix()}: leftover temp {'folder' if p.is_dir() else 'file'} "
+        "from an interrupted write; remove it (or rerun the job)"
+        for p in sorted(root.rglob(f"*{TMP_MARK}*"))
+        if TMP_MARK in p.name and not is_tmp(p.parent.relative_to(root))
+    ]
+    found: dict[str, dict] = {}
+    for shard in find_shards(root):
+        rel = shard.relative_to(root).as_posix()
+        try:
+            found[rel] = read_meta(shard)
+        except ValueError as err:
+            problems.append(str(err))
+            found[rel] = {}
+            continue
+        problems += _verify_shard(shard, rel, found[rel])
+    try:
+        manifest = read_manifest(root)
+    except ValueError as err:
+        return problems + [f"manifest.json: {err}"]
+    if manifest is not None:
+        problems += _verify_manifest(root, manifest, found)
+    elif require_manifest:
+        problems.append("manifest.json: missing, so the run that wrote this dataset did not finish")
+    if not found and not (manifest or {}).get("domains"):
+        problems.append(f"{root}: no shards found")
+    return problems
+
+
+def _verify_shard(shard: Path, rel: str, meta: dict) -> list[str]:
+    problems = []
+    for key, entry in meta.items():
+        path, dtype = shard / f"{key}.bin", DTYPES[entry["dtype"]]
+        where = f"{rel}/{key}.bin: key {key!r}"
+        expected = entry["shape"][0] * dtype.itemsize
+        if not path.is_file():
+            problems.append(f"{where}: file missing")
+        elif path.stat().st_size != expected:
+            problems.append(
+                f"{where}: {path.stat().st_size} bytes, expected {expected} "
+                f"(shape {entry['shape']} of {entry['dtype']}): truncated or overwritten"
+            )
+        elif "xxh64" in entry and file_checksum(path) != entry["xxh64"]:
+            problems.append(f"{where}: xxh64 checksum mismatch: the data is corrupted")
+        length = entry["shape"][0]
+        if "items" in entry:
+            problems += _verify_bounds(shard, rel, key, "items", entry["items"], length)
+            length = bounds_count(entry["items"]) - 1
+        if "offsets" in entry:
+            problems += _verify_bounds(shard, rel, key, "offsets", entry["offsets"], length)
+    return problems
+
+
+def _verify_bounds(
+    shard: Path, rel: str, key: str, part: str, bounds: list | dict, last: int
+) -> list[str]:
+    """Checks one offsets/items array: size, checksum, range, order, first and last value."""
+    if isinstance(bounds, list):
+        where = f"{rel}/meta.json: key {key!r} (inline)"
+        values = np.asarray(bounds, OFFSET_DTYPE)
+    else:
+        path = shard / bounds["file"]
+        where = f"{rel}/{bounds['file']}: key {key!r}"
+        expected = bounds["count"] * OFFSET_DTYPE.itemsize
+        if not path.is_file():
+            return [f"{where}: file missing"]
+        if path.stat().st_size != expected:
+            return [
+                f"{where}: {path.stat().st_size} bytes, expected {expected} (count {bounds['count']})"
+            ]
+        if "xxh64" in bounds and file_checksum(path) != bounds["xxh64"]:
+            return [f"{where}: xxh64 checksum mismatch: the {part} are corrupted"]
+        values = np.fromfile(path, OFFSET_DTYPE)
+    if len(values) == 0:
+        return [f"{where}: empty; needs at least [0]"]
+    bad = np.flatnonzero((values < 0) | (values > last))
+    if len(bad):
+        return [f"{where}: {part}[{bad[0]}] = {values[bad[0]]} out of range [0, {last}]"]
+    down = np.flatnonzero(np.diff(values) < 0)
+    if len(down):
+        i = down[0]
+        return [f"{where}: {part} not monotonic: [{i}] = {values[i]} > [{i + 1}] = {values[i + 1]}"]
+    if values[0] != 0 or values[-1] != last:
+        return [f"{where}: {part} run from {values[0]} to {values[-1]}, expected 0 to {last}"]
+    return []
+
+
+def _verify_manifest(root: Path, manifest: dict, found: dict[str, dict]) -> list[str]:
+    problems, listed = [], set()
+    for domain, infos in manifest.get("domains", {}).items():
+        for info in infos:
+            rel = f"{domain}/{info['name']}" if domain else info["name"]
+            listed.add(rel)
+            if rel.endswith(".jsonl"):
+                problems += _verify_part(root / rel, rel, info)
+            elif rel not in found:
+                problems.append(f"{rel}: listed in manifest.json but missing")
+            elif found[rel]:
+                meta = found[rel]
+                primary = manifest.get("primary_key")
+                tokens = meta[primary if primary in meta else primary_key(list(meta))]["shape"][0]
+                for what, have in (("records", shard_records(meta)), ("tokens", tokens)):
+                    if info.get(what) is not None and info[what] != have:
+                        problems.append(
+                            f"{rel}: manifest.json says {info[what]} {what}, meta.json has {have}"
+                        )
+    problems += [f"{rel}: shard not listed in manifest.json" for rel in found if rel not in listed]
+    return problems
+
+
+def _verify_part(path: Path, rel: str, info: dict) -> list[str]:
+    """A JSONL part: present, its size and checksum as listed, one line per record."""
+    if not path.is_file():
+        return [f"{rel}: listed in manifest.json but missing"]
+    data = path.read_bytes()
+    if "nbytes" in info and len(data) != info["nbytes"]:
+        return [f"{rel}: {len(data)} bytes, manifest.json says {info['nbytes']}: truncated"]
+    if "xxh64" in info and xxhash.xxh64(data).hexdigest() != info["xxh64"]:
+        return [f"{rel}: xxh64 checksum mismatch: the data is corrupted"]
+    lines = data.count(b"\n")
+    if info.get("records") is not None and lines != info["records"]:
+        return [f"{rel}: {lines} lines, manifest.json says {info['records']} records"]
+    return []
