@@ -22,7 +22,7 @@ _EXPORTS = {
     "StoreFactory": "tokenmill.store",
     "Store": "tokenmill.store",
     "MmapStore": "tokenmill.store",
-    "JsonlStore": "tokenmill.store",
+    "JsonlStore": "tokenmill.jsonl_store",
     "verify_dataset": "tokenmill.verify",
     "DatasetFactory": "tokenmill.datasets",
     "SEQDataset": "tokenmill.datasets",

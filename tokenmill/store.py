@@ -18,16 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import torch
 
 from tokenmill.shards import (
     DTYPES,
     OFFSET_DTYPE,
     Column,
-    ShardBuffer,
     find_shards,
-    is_list_value,
     is_tmp,
     primary_key,
     read_manifest,
@@ -375,250 +372,21 @@ def _map_bounds(shard: Path, key: str, bounds: Any, last: int) -> np.ndarray | N
     return values
 
 
-# --- raw JSONL ----------------------------------------------------------------------------------
-class JsonlStore(Store):
-    """A .jsonl file or a folder's sorted top-level *.jsonl, transformed eagerly or processed lazily."""
-
-    processor: Transform | None = None
-    skipped: dict[str, int]  # records a config filtered out (too_short, too_long), by reason
-
-    def load(
-        self,
-        path: str | Path,
-        transform: Transform | None = None,
-        processor: Transform | None = None,
-        tokenizer_path: str | Path | None = None,
-    ) -> JsonlStore:
-        """Eager transform: `transform=`, else dataset_config.json beside the data, else the
-        built-in `messages` (sft) config when `tokenizer_path` is given, else the records must
-        already hold token lists (as `storage_format: jsonl` writes them). `processor=`: lazy."""
-        if transform is not None and processor is not None:
-            raise ValueError("give transform= (eager) or processor= (lazy), not both")
-        self.files, stored_dtypes = jsonl_inputs(Path(path))
-        self.skipped = {}
-        if processor is not None:
-            self.processor = processor
-            self._index_lines()
-            return self
-        self.processor = None
-        apply, dtypes = _choose_transform(Path(path), transform, tokenizer_path)
-        dtypes = stored_dtypes if apply is _pretokenized and stored_dtypes else dtypes
-        buffer, digest = ShardBuffer(dtypes), hashlib.sha256()
-        for source, line, text in _read_lines(self.files, digest):
-            try:
-                out = apply(_parse(text), source, line)
-            except Exception as err:
-                if getattr(err, "reason", None) in _filter_reasons():
-                    self.skipped[err.reason] = self.skipped.get(err.reason, 0) + 1  # type: ignore[attr-defined]
-                    continue
-                raise _located(err, source, line) from err
-            buffer.add(out)
-        if not buffer.records:
-            raise ValueError(f"{path}: no records to load (skipped: {self.skipped or 'none'})")
-        self.fingerprint = digest.hexdigest()[:16]
-        self._set_segments([Segment(str(path), buffer.build(), buffer.records)])
-        return self
-
-    # --- lazy mode: an int64 array of line positions, one record processed per fetch -----
-    def _index_lines(self) -> None:
-        digest, per_file = hashlib.sha256(), []
-        for f in self.files:
-            per_file.append(_line_starts(f, digest))
-        self._file_starts = _cumulative([len(p) for p in per_file])
-        self._line_pos = np.concatenate(per_file) if per_file else np.empty(0, np.int64)
-        self.fingerprint = digest.hexdigest()[:16]
-        self._segments = None
-        self._lazy_keys: list[str] | None = None
-
-    @property
-    def lazy(self) -> bool:
-        """True when loaded with processor=: records are processed on fetch, no stream access."""
-        return self.processor is not None
-
-    def _loaded(self) -> list[Segment]:
-        if self.processor is not None:
-            raise ValueError(
-                "a JsonlStore loaded with processor= reads records only (fetch_record)"
-            )
-        return super()._loaded()
-
-    @property
-    def keys(self) -> list[str]:
-        if self.processor is None:
-            return super().keys
-        if self._lazy_keys is None:
-            self._lazy_keys = list(self._process(0))
-        return list(self._lazy_keys)
-
-    @property
-    def num_records(self) -> int:
-        return len(self._line_pos) if self.processor is not None else super().num_records
-
-    def __len__(self) -> int:
-        return self.num_records if self.processor is not None else super().__len__()
-
-    def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
-        if self.processor is None:
-            return super()._record(i, keys)
-        out = self._process(i)
-        missing = [k for k in keys if k not in out]
-        if missing:
-            raise KeyError(f"keys {missing} are not in the processed record; keys: {list(out)}")
-        return {k: list(out[k]) if is_list_value(out[k]) else np.asarray(out[k]) for k in keys}
-
-    def _process(self, i: int) -> dict:
-        f = bisect_right(self._file_starts, i) - 1
-        source, pos = self.files[f], int(self._line_pos[i])
-        with open(source, "rb") as fh:
-            fh.seek(pos)
-            text = fh.readline()
-        try:
-            return dict(self.processor(_parse(text)))  # type: ignore[misc]  # set in lazy mode
-        except Exception as err:
-            raise _located(err, str(source), _line_number(source, pos)) from err
-
-
-def jsonl_inputs(path: Path) -> tuple[list[Path], dict[str, str] | None]:
-    """The files to read and, for a dataset written with `storage_format: jsonl`, its dtypes."""
-    if path.is_file():
-        if path.suffix != ".jsonl":
-            raise ValueError(
-                f"{path}: JsonlStore reads .jsonl files, got {path.suffix or 'no suffix'}"
-            )
-        return [path], None
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such file or folder")
-    manifest = read_manifest(path)
-    if manifest and manifest.get("storage_format") == "jsonl":
-        names = [
-            f"{d}/{i['name']}" if d else i["name"]
-            for d, infos in manifest["domains"].items()
-            for i in infos
-        ]
-        return [path / n for n in names], manifest.get("keys")
-    files = sorted(p for p in path.glob("*.jsonl") if not is_tmp(Path(p.name)))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.jsonl files at its top level")
-    return files, None
-
-
-def _choose_transform(
-    path: Path, transform: Transform | None, tokenizer_path: str | Path | None
-) -> tuple[Callable, dict | None]:
-    """The first of: transform=, dataset_config.json beside the data, the built-in sft config, pre-tokenized."""
-    if transform is not None:
-        return (lambda record, source, line: transform(record)), None
-    folder = path if path.is_dir() else path.parent
-    config_file = folder / "dataset_config.json"
-    if config_file.is_file():
-        from tokenmill.config import PipelineConfig
-
-        data = json.loads(config_file.read_text())
-        configured = data.pop("tokenizer_path", None)
-        tokenizer = tokenizer_path or (folder / configured if configured else folder)
-        return _masker(PipelineConfig.from_dict(data, origin=str(config_file)), tokenizer)
-    if tokenizer_path is not None:
-        from tokenmill.config import default_config
-
-        return _masker(default_config("sft"), tokenizer_path)
-    return _pretokenized, None
-
-
-def _masker(config: Any, tokenizer_path: str | Path) -> tuple[Callable, dict]:
-    from tokenmill.masking import RecordMasker
-    from tokenmill.templates import load_tokenizer
-
-    masker = RecordMasker(config, load_tokenizer(tokenizer_path))
-    return masker.process, masker.dtypes()
-
-
-def _pretokenized(record: dict, source: str, line: int) -> dict:
-    """Records that already hold arrays: lists of numbers, or lists of such lists (list keys)."""
-    out = {}
-    for key, value in record.items():
-        items = value if isinstance(value, list) and value and isinstance(value[0], list) else None
-        arrays = [np.asarray(v) for v in (items if items is not None else [value])]
-        if any(a.dtype.kind not in "iufb" or a.ndim != 1 for a in arrays):
-            raise ValueError(
-                f"{source}:{line}: field {key!r} is not a list of numbers; give transform=, "
-                "a dataset_config.json or tokenizer_path to tokenize raw records"
-            )
-        arrays = [a.astype(np.float32) if a.dtype.kind == "f" else a for a in arrays]
-        out[key] = arrays if items is not None else arrays[0]
-    return out
-
-
-def _read_lines(files: list[Path], digest: Any) -> Any:
-    """(source, 1-based line, text) of every non-blank line; the digest sees every byte."""
-    for path in files:
-        with open(path, "rb") as f:
-            for number, text in enumerate(f, 1):
-                digest.update(text)
-                if text.strip():
-                    yield str(path), number, text
-
-
-def _parse(text: bytes) -> dict:
-    try:
-        record = orjson.loads(text)
-    except orjson.JSONDecodeError as err:
-        raise ValueError(f"not valid JSON: {err}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    return record
-
-
-def _located(err: Exception, source: str, line: int) -> Exception:
-    """The error with the record's file and line (a RecordError is rebuilt with them)."""
-    if all(hasattr(err, a) for a in ("field", "message", "reason")):
-        return type(err)(source, line, err.field, err.message, err.reason)  # type: ignore[attr-defined, call-arg]
-    text = str(err)
-    return ValueError(text if text.startswith(f"{source}:") else f"{source}:{line}: {text}")
-
-
-def _filter_reasons() -> tuple[str, ...]:
-    from tokenmill.masking import FILTER_REASONS
-
-    return tuple(FILTER_REASONS)
-
-
-def _line_starts(path: Path, digest: Any) -> np.ndarray:
-    """Byte positions of the non-blank lines of a file, found with numpy 4 MiB at a time."""
-    found, base, rest = [], 0, b""
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-            buf = rest + chunk
-            cut = buf.rfind(b"\n") + 1  # whole lines only; the rest waits for the next chunk
-            found.append(_nonblank_starts(buf[:cut]) + base)
-            base, rest = base + cut, buf[cut:]
-    found.append(_nonblank_starts(rest) + base)
-    return np.concatenate(found).astype(np.int64)
-
-
-_SPACE = np.frombuffer(b" \t\n\r\x0b\x0c", np.uint8)
-
-
-def _nonblank_starts(buf: bytes) -> np.ndarray:
-    data = np.frombuffer(buf, np.uint8)
-    ends = np.flatnonzero(data == 10)
-    if len(data) and data[-1] != 10:
-        ends = np.append(ends, len(data))
-    if not len(ends):
-        return np.empty(0, np.int64)
-    starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
-    solid = np.concatenate([[0], np.cumsum(~np.isin(data, _SPACE), dtype=np.int64)])
-    return starts[solid[ends] > solid[starts]]
-
-
-def _line_number(path: Path, pos: int) -> int:
-    with open(path, "rb") as f:
-        return f.read(pos).count(b"\n") + 1
-
-
 # --- choosing a store by name ------------------------------------------------------------------
-STORES: dict[str, type[Store]] = {"bin": MmapStore, "jsonl": JsonlStore}
 STORE_OPTIONS = ("window_size", "stride")
+
+
+def stores() -> dict[str, type[Store]]:
+    """Storage format name -> store class (JsonlStore lives in jsonl_store.py, which imports this module)."""
+    from tokenmill.jsonl_store import JsonlStore
+
+    return {"bin": MmapStore, "jsonl": JsonlStore}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "JsonlStore":
+        return stores()["jsonl"]
+    raise AttributeError(f"module 'tokenmill.store' has no attribute {name!r}")
 
 
 class StoreFactory:
@@ -626,11 +394,12 @@ class StoreFactory:
 
     @staticmethod
     def create(storage_type: str, **options: Any) -> Store:
-        if storage_type not in STORES:
-            raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(STORES)}")
+        classes = stores()
+        if storage_type not in classes:
+            raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(classes)}")
         unknown = sorted(set(options) - set(STORE_OPTIONS))
         if unknown:
             raise TypeError(
                 f"StoreFactory.create: unknown keyword(s) {unknown}; valid: {list(STORE_OPTIONS)}"
             )
-        return STORES[storage_type](**options)
+        return classes[storage_type](**options)
