@@ -10,6 +10,7 @@ Run: python benchmarks/bench_store.py [--quick] [--window 2048] [--repeats 5]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import statistics
@@ -113,12 +114,17 @@ class SFTItemFloor(FloorDataset):
 
 # --- measuring ----------------------------------------------------------------------------------
 def rate(read: Callable[[int], object], indices: list[int]) -> float:
-    """Windows per CPU second of `read` over `indices` in this process: time a busy neighbour
-    takes the core away does not count."""
-    start = time.process_time()
-    for i in indices:
-        read(i)
-    return len(indices) / (time.process_time() - start)
+    """Windows per CPU second of `read` over `indices` in this process, garbage collector off
+    as timeit does: a busy neighbour taking the core, or a full collection over torch's
+    objects falling into one run and not another, would count otherwise."""
+    gc.disable()
+    try:
+        start = time.process_time()
+        for i in indices:
+            read(i)
+        return len(indices) / (time.process_time() - start)
+    finally:
+        gc.enable()
 
 
 def loader(dataset: Dataset, indices: list[int], batch_size: int, workers: int) -> DataLoader:

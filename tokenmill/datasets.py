@@ -91,9 +91,12 @@ class _StreamDataset(BaseDataset):
         begin, end = self.store.sample_window(self._check_index(index))
         return int(end - begin)
 
-    def _window(self, index: int, keys: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
+    def _window(self, index: int, keys: list[str]) -> dict[str, np.ndarray]:
+        """Window `index` plus one token, as numpy arrays (maybe read-only views: copy them)."""
         begin, end = self.store.sample_window(self._check_index(index))
-        return end - begin, self.store.fetch(begin, end + 1, keys)
+        if hasattr(self.store, "fetch_arrays"):
+            return self.store.fetch_arrays(begin, end + 1, keys)
+        return {k: v.numpy() for k, v in self.store.fetch(begin, end + 1, keys).items()}
 
     def _cut_params(self) -> str:
         window = getattr(self.store, "window_size", None)
@@ -111,9 +114,12 @@ class SEQDataset(_StreamDataset):
     keys = ("sequence",)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        _, data = self._window(index, ["sequence"])
-        tokens = data["sequence"].long()
-        return {"input_ids": tokens[:-1], "target_ids": tokens[1:]}
+        tokens = self._window(index, ["sequence"])["sequence"].astype(np.int64)
+        # numpy slices, then from_numpy: a torch slice costs more than the window's copy
+        return {
+            "input_ids": torch.from_numpy(tokens[:-1]),
+            "target_ids": torch.from_numpy(tokens[1:]),
+        }
 
 
 class SFTDataset(_StreamDataset):
@@ -124,13 +130,13 @@ class SFTDataset(_StreamDataset):
     keys = ("sequence", "loss_mask", "position_ids")
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        _, data = self._window(index, list(self.keys))
-        tokens = data["sequence"].long()
+        data = self._window(index, list(self.keys))
+        tokens = data["sequence"].astype(np.int64)  # the one copy, widened; astype always copies
         return {
-            "input_ids": tokens[:-1],
-            "target_ids": tokens[1:],
-            "loss_mask": data["loss_mask"][1:].bool(),
-            "position_ids": data["position_ids"][:-1].long(),
+            "input_ids": torch.from_numpy(tokens[:-1]),
+            "target_ids": torch.from_numpy(tokens[1:]),
+            "loss_mask": torch.from_numpy(data["loss_mask"][1:].astype(np.bool_)),
+            "position_ids": torch.from_numpy(data["position_ids"][:-1].astype(np.int64)),
         }
 
 

@@ -96,6 +96,9 @@ class Store:
         self.stride = stride or window_size
         self._segments: list[Segment] | None = None
         self._starts: dict[str, list[int]] = {}
+        self._values: dict[str, list[np.ndarray]] = {}  # key -> each segment's values
+        self._shared_starts: list[int] | None = None  # set when every key has the same starts
+        self._num_samples = 0
 
     def load(
         self,
@@ -125,7 +128,14 @@ class Store:
             k: _cumulative([len(s.columns[k].values) for s in segments]) for k in self._keys
         }
         self._record_starts = _cumulative([s.records for s in segments])
+        self._values = {k: [s.columns[k].values for s in segments] for k in self._keys}
+        starts = list(self._starts.values())
+        self._shared_starts = starts[0] if all(st == starts[0] for st in starts) else None
         self._segments = segments
+        if self.window_size is not None:  # fixed at load: sample_window runs once per item
+            self._num_samples = window_count(
+                self.token_count, self.window_size, self.stride or self.window_size
+            )
 
     def _loaded(self) -> list[Segment]:
         if self._segments is None:
@@ -159,7 +169,8 @@ class Store:
             raise ValueError(
                 "this store has no window_size; create it with StoreFactory.create(fmt, window_size=N)"
             )
-        return window_count(self.token_count, self.window_size, self.stride or self.window_size)
+        self._loaded()
+        return self._num_samples
 
     def __len__(self) -> int:
         return self.num_samples if self.window_size is not None else self.num_records
@@ -180,24 +191,50 @@ class Store:
         """Elements [begin, end) of each key's stream (all segments concatenated)."""
         self._loaded()
         if isinstance(keys, str):
-            return self._fetch(begin, end, self._key(keys))
-        return {key: self._fetch(begin, end, self._key(key)) for key in keys}
+            return to_tensor(self._array(begin, end, self._key(keys)))
+        inside = self._one_segment(begin, end)
+        if inside is not None:  # the common case, kept to one slice and one copy per key
+            s, lo, hi = inside
+            try:
+                return {k: torch.from_numpy(self._values[k][s][lo:hi].copy()) for k in keys}
+            except KeyError:
+                pass  # an unknown key: the path below names it
+        return {k: to_tensor(self._array(begin, end, self._key(k))) for k in keys}
 
-    def _fetch(self, begin: int, end: int, key: str) -> torch.Tensor:
+    def fetch_arrays(self, begin: int, end: int, keys: list[str]) -> dict[str, np.ndarray]:
+        """fetch as numpy arrays, without the copy: inside one segment they are read-only
+        views of the maps (datasets shift and widen them in the one copy they make)."""
+        self._loaded()
+        inside = self._one_segment(begin, end)
+        if inside is not None:
+            s, lo, hi = inside
+            return {k: self._values[self._key(k)][s][lo:hi] for k in keys}
+        return {k: self._array(begin, end, self._key(k)) for k in keys}
+
+    def _one_segment(self, begin: int, end: int) -> tuple[int, int, int] | None:
+        """(segment, local begin, local end) when every key's [begin, end) lies in one segment."""
+        starts = self._shared_starts
+        if starts is None:
+            return None
+        s = bisect_right(starts, begin) - 1
+        if 0 <= begin <= end and s + 1 < len(starts) and end <= starts[s + 1]:
+            return s, begin - starts[s], end - starts[s]
+        return None
+
+    def _array(self, begin: int, end: int, key: str) -> np.ndarray:
         starts = self._starts[key]
         if not 0 <= begin <= end <= starts[-1]:
             raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
-        segments = self._loaded()
-        s = min(bisect_right(starts, begin) - 1, len(segments) - 1)
+        values = self._values[key]
+        s = min(bisect_right(starts, begin) - 1, len(values) - 1)
+        if end <= starts[s + 1]:  # inside one segment: one slice
+            return values[s][begin - starts[s] : end - starts[s]]
         pieces, pos = [], begin
         while pos < end:
             stop = min(end, starts[s + 1])
-            pieces.append(segments[s].columns[key].values[pos - starts[s] : stop - starts[s]])
+            pieces.append(values[s][pos - starts[s] : stop - starts[s]])
             pos, s = stop, s + 1
-        if len(pieces) == 1:
-            return to_tensor(pieces[0])
-        dtype = segments[0].columns[key].values.dtype
-        return torch.from_numpy(np.concatenate(pieces) if pieces else np.empty(0, dtype))
+        return np.concatenate(pieces)
 
     # --- record access -------------------------------------------------------------------
     def fetch_record(self, i: int, keys: str | list[str]) -> Any:
@@ -319,7 +356,7 @@ class MmapStore(Store):
         """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
         state = dict(self.__dict__)
         if state.get("_segments") is not None:
-            state.update(_segments=None, _starts=None, _record_starts=None)
+            state.update(_segments=None, _starts=None, _record_starts=None, _values={})
         return state
 
     def __setstate__(self, state: dict) -> None:
