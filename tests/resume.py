@@ -69,11 +69,15 @@ def check_resume(
         head = [next(outputs) for _ in range(k)]
         state = json.loads(json.dumps(first.state_dict()))
         tail = list(outputs)
-        assert same(head + tail, full), f"saving changed the stream at {k}: {first_difference(head + tail, full)}"
+        assert same(head + tail, full), (
+            f"saving changed the stream at {k}: {first_difference(head + tail, full)}"
+        )
         second = make()
         second.load_state_dict(state)
         resumed = list(iterate(second))
-        assert same(resumed, full[k:]), f"resume at {k} of {n}: {first_difference(resumed, full[k:])}"
+        assert same(resumed, full[k:]), (
+            f"resume at {k} of {n}: {first_difference(resumed, full[k:])}"
+        )
     return full
 
 
@@ -100,7 +104,11 @@ class ToyDataset(torch.utils.data.Dataset):
             raise IndexError(index)
         rng = np.random.default_rng([self.seed, index])
         if self.kind in ("seq", "sft"):
-            ids = self._tokens(rng, index, 9, 9) if self.kind == "seq" else self._tokens(rng, index, 3, 12)
+            ids = (
+                self._tokens(rng, index, 9, 9)
+                if self.kind == "seq"
+                else self._tokens(rng, index, 3, 12)
+            )
             item = {"input_ids": ids[:-1], "target_ids": ids[1:]}
             if self.kind == "sft":
                 item["loss_mask"] = torch.from_numpy(rng.random(len(ids) - 1) < 0.7)

@@ -128,18 +128,30 @@ def test_packing_state_names_pending_and_skip_and_refuses_another_budget():
     groups = fed.groups()
     next(groups), next(groups)
     assert fed.state_dict() == {
-        "batcher": {"version": 1, "batcher": "PoolPackingBatcher", "budget": 10, "pool_size": 6, "pending": 6, "skip": 2},
+        "batcher": {
+            "version": 1,
+            "batcher": "PoolPackingBatcher",
+            "budget": 10,
+            "pool_size": 6,
+            "pending": 6,
+            "skip": 2,
+        },
         "restart": 0,
     }
     with pytest.raises(ValueError, match="budget: saved 10, now 16"):
         PoolPackingBatcher(16, pool_size=6).load_state_dict(fed.batcher.state_dict())
-    with pytest.raises(ValueError, match="batcher: saved 'PoolPackingBatcher', now 'SequentialPackingBatcher'"):
+    with pytest.raises(
+        ValueError, match="batcher: saved 'PoolPackingBatcher', now 'SequentialPackingBatcher'"
+    ):
         SequentialPackingBatcher(10).load_state_dict(fed.batcher.state_dict())
 
 
 def test_token_count_covers_each_train_type():
     assert token_count({"input_ids": torch.arange(4)}) == 4
     assert token_count({"chosen": torch.arange(3), "rejected": torch.arange(2)}) == 5
-    assert token_count({"prompts": torch.arange(2), "responses": [torch.arange(3), torch.arange(1)]}) == 6
+    assert (
+        token_count({"prompts": torch.arange(2), "responses": [torch.arange(3), torch.arange(1)]})
+        == 6
+    )
     with pytest.raises(KeyError, match="pass size_fn"):
         token_count({"pixels": torch.arange(3)})

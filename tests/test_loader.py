@@ -18,6 +18,7 @@ from torch.utils.data import get_worker_info
 from tokenmill.dataflow import (
     DataflowLoader,
     DefaultBatchCollator,
+    IdentityProcessor,
     IterableDistributor,
     MapDistributor,
     MixtureDistributor,
@@ -32,17 +33,30 @@ from tokenmill.sampler import epoch_order
 ROOT = Path(__file__).parent.parent
 
 
-def loader(kind: str = "seq", packing: bool = False, workers: int = 0, size: int = 20, epochs: int = 2, **kw) -> DataflowLoader:
+def loader(
+    kind: str = "seq",
+    packing: bool = False,
+    workers: int = 0,
+    size: int = 20,
+    epochs: int = 2,
+    **kw,
+) -> DataflowLoader:
     batcher, collator = roles(kind, packing)
     distributor = MapDistributor(ToyDataset(kind, size), seed=9, num_epochs=epochs)
-    return DataflowLoader(distributor, batcher=batcher, collator=collator, num_workers=workers, **kw)
+    return DataflowLoader(
+        distributor, batcher=batcher, collator=collator, num_workers=workers, **kw
+    )
 
 
 def test_batch_size_is_shorthand_for_simple_batcher_and_default_collator():
     ds = ToyDataset("seq", 10)
     short = list(DataflowLoader(MapDistributor(ds, num_epochs=1), batch_size=4))
     long = list(
-        DataflowLoader(MapDistributor(ds, num_epochs=1), batcher=SimpleBatcher(4), collator=DefaultBatchCollator())
+        DataflowLoader(
+            MapDistributor(ds, num_epochs=1),
+            batcher=SimpleBatcher(4),
+            collator=DefaultBatchCollator(),
+        )
     )
     assert same(short, long)
     order = epoch_order(10, 42, 0).tolist()
@@ -51,6 +65,7 @@ def test_batch_size_is_shorthand_for_simple_batcher_and_default_collator():
         DataflowLoader(MapDistributor(ds), batch_size=4, batcher=SimpleBatcher(4))
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 @pytest.mark.parametrize("kind, packing", [("seq", False), ("sft", True), ("grpo", True)])
 def test_the_batch_sequence_is_the_same_for_every_num_workers(kind, packing):
     reference = list(loader(kind, packing))
@@ -66,7 +81,9 @@ def test_any_distributor_gives_one_sequence_for_every_num_workers():
         mixture = MixtureDistributor(
             [IterableDistributor(items), MapDistributor(items[:5], seed=1, num_epochs=3)], [3, 1]
         )
-        return DataflowLoader(mixture, batch_size=3, num_workers=workers, processor=TruncateProcessor(1))
+        return DataflowLoader(
+            mixture, batch_size=3, num_workers=workers, processor=TruncateProcessor(1)
+        )
 
     reference = [b["input_ids"].flatten().tolist() for b in make(0)]
     # three from the list per one from the shuffled map (epoch_order(5, 1, 0) = 4 0 1 2 3)
@@ -93,7 +110,11 @@ def test_state_counts_consumed_batches_not_prefetched_ones():
     state = first.state_dict()
     assert state["consumed_batches"] == 3
     assert state["position"]["distributor"]["consumed"] == 12  # 3 batches of 4
-    assert state["position"]["batcher"] == {"version": 1, "batcher": "SimpleBatcher", "batch_size": 4}
+    assert state["position"]["batcher"] == {
+        "version": 1,
+        "batcher": "SimpleBatcher",
+        "batch_size": 4,
+    }
 
 
 def test_a_state_from_another_setup_is_refused_by_name():
@@ -101,9 +122,13 @@ def test_a_state_from_another_setup_is_refused_by_name():
     next(iter(used))
     state = used.state_dict()
     with pytest.raises(ValueError, match="batch_size: saved 4, now 8"):
-        DataflowLoader(MapDistributor(ToyDataset("seq", 20), seed=9), batch_size=8).load_state_dict(state)
+        DataflowLoader(MapDistributor(ToyDataset("seq", 20), seed=9), batch_size=8).load_state_dict(
+            state
+        )
     with pytest.raises(ValueError, match="fingerprint: saved 'toy-seq-20-0', now 'toy-seq-21-0'"):
-        DataflowLoader(MapDistributor(ToyDataset("seq", 21), seed=9), batch_size=4).load_state_dict(state)
+        DataflowLoader(MapDistributor(ToyDataset("seq", 21), seed=9), batch_size=4).load_state_dict(
+            state
+        )
     packed = loader("sft", True, dp_rank=1, dp_world_size=2)
     next(iter(packed))
     with pytest.raises(ValueError, match="dp_world_size: saved 2, now 1"):
@@ -133,7 +158,11 @@ def test_packing_counters_reach_the_main_process():
     batches = list(packed)
     assert packed.counters["groups"] == len(batches)
     tokens = sum(b["num_tokens"] for b in batches)
-    assert packed.counters["tokens"] == tokens == sum(len(ToyDataset("sft", 30)[i]["input_ids"]) for i in range(30))
+    assert (
+        packed.counters["tokens"]
+        == tokens
+        == sum(len(ToyDataset("sft", 30)[i]["input_ids"]) for i in range(30))
+    )
 
 
 class DieInWorker(RawItemProcessor):
@@ -154,8 +183,11 @@ class DieInWorker(RawItemProcessor):
 def test_a_dead_or_stuck_worker_raises_in_the_main_process_within_seconds(sleep):
     victim = epoch_order(20, 9, 0)[10]
     broken = DataflowLoader(
-        MapDistributor(ToyDataset("seq", 20), seed=9), batch_size=2, processor=DieInWorker(int(victim), sleep),
-        num_workers=2, timeout=1,
+        MapDistributor(ToyDataset("seq", 20), seed=9),
+        batch_size=2,
+        processor=DieInWorker(int(victim), sleep),
+        num_workers=2,
+        timeout=1,
     )
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="exited unexpectedly|timed out"):
@@ -176,6 +208,24 @@ def test_taking_one_batch_and_exiting_is_clean():
         print("took", batch["input_ids"].shape[0])
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "took 4"
+
+
+def test_processors_pass_items_through_or_cut_token_arrays():
+    item = ToyDataset("grpo", 3)[2]
+    assert IdentityProcessor().process(item) is item
+    with pytest.raises(TypeError, match="expects dict items, got int"):
+        IdentityProcessor().process(5)
+    cut = TruncateProcessor(2).process(item)
+    assert cut["prompts"].tolist() == item["prompts"][:2].tolist()
+    assert [r.tolist() for r in cut["responses"]] == [r[:2].tolist() for r in item["responses"]]
+    assert cut["rewards"] is item["rewards"]  # float values are not tokens
+    ends = TruncateProcessor(1, keys=["prompts"], keep_end=True).process(item)
+    assert ends["prompts"].tolist() == item["prompts"][-1:].tolist()
+    assert ends["responses"] is item["responses"]
+    with pytest.raises(TypeError, match="key 'rewards' is not a 1-D token tensor"):
+        TruncateProcessor(1, keys=["rewards"]).process(item)

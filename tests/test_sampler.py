@@ -58,7 +58,9 @@ def test_ranks_are_disjoint_and_complete(n, world, epoch, drop_last, consumed):
     order = epoch_order(n, 42, epoch).tolist()
     ranks = []
     for r in range(world):
-        sampler = RDSampler(Sized(n), start_epoch=epoch, rank=r, world_size=world, drop_last=drop_last)
+        sampler = RDSampler(
+            Sized(n), start_epoch=epoch, rank=r, world_size=world, drop_last=drop_last
+        )
         sampler.consumed = consumed
         ranks.append(list(sampler))
     assert len({len(r) for r in ranks}) == 1  # every rank steps alike
@@ -91,7 +93,9 @@ def test_resume_is_exact_across_an_epoch_boundary(rank, world):
         return RDSampler(Sized(10), seed=3, rank=rank, world_size=world)
 
     per_epoch = 10 // world
-    full = check_resume(make, lambda s: steps(s, 2), points=[per_epoch - 1, per_epoch, per_epoch + 1])
+    full = check_resume(
+        make, lambda s: steps(s, 2), points=[per_epoch - 1, per_epoch, per_epoch + 1]
+    )
     assert len(full) == 2 * per_epoch
 
 

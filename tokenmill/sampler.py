@@ -140,7 +140,10 @@ class RDSampler(Sampler[int]):
 
     def _order(self) -> np.ndarray:
         if self._cache is None or self._cache[0] != self.epoch:
-            self._cache = (self.epoch, epoch_order(self.num_items, self.seed, self.epoch, self.shuffle))
+            self._cache = (
+                self.epoch,
+                epoch_order(self.num_items, self.seed, self.epoch, self.shuffle),
+            )
         return self._cache[1]
 
     def _positions(self) -> np.ndarray:
@@ -175,7 +178,12 @@ class RDSampler(Sampler[int]):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, **self._setup(), "epoch": self.epoch, "consumed": self.consumed}
+        return {
+            "version": STATE_VERSION,
+            **self._setup(),
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("RDSampler", state, self._setup())

@@ -51,7 +51,8 @@ class SampleBatcher(ABC):
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        """Position after the last yielded group ({}: nothing pending, nothing to skip)."""
+        """Position after the last yielded group: {} means nothing pending, nothing to skip.
+        A batcher that holds pulled samples across groups must report them as `pending`."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -76,7 +77,9 @@ class SimpleBatcher(SampleBatcher):
         return {"version": STATE_VERSION, "batcher": "SimpleBatcher", "batch_size": self.group_size}
 
     def load_state_dict(self, state: dict) -> None:
-        check_state("SimpleBatcher", state, {"batcher": "SimpleBatcher", "batch_size": self.group_size})
+        check_state(
+            "SimpleBatcher", state, {"batcher": "SimpleBatcher", "batch_size": self.group_size}
+        )
 
 
 def best_fit(sizes: Sequence[int], budget: int) -> list[list[int]]:
@@ -130,7 +133,12 @@ class _PackingBatcher(SampleBatcher):
         return {"batcher": self.name, "budget": self.budget}
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, **self._setup(), "pending": self.pending, "skip": self.skip}
+        return {
+            "version": STATE_VERSION,
+            **self._setup(),
+            "pending": self.pending,
+            "skip": self.skip,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         check_state(self.name, state, self._setup())
@@ -171,7 +179,9 @@ class PoolPackingBatcher(_PackingBatcher):
 
     name = "PoolPackingBatcher"
 
-    def __init__(self, budget: int, pool_size: int = 64, size_fn: Callable[[dict], int] | None = None) -> None:
+    def __init__(
+        self, budget: int, pool_size: int = 64, size_fn: Callable[[dict], int] | None = None
+    ) -> None:
         super().__init__(budget, size_fn)
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")

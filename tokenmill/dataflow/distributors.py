@@ -9,7 +9,7 @@ whole groups without reading what other workers read.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -65,11 +65,15 @@ class DataDistributor(ABC):
         return None
 
 
-def worker_share(keys: Iterable[Any], worker_id: int, num_workers: int, block: int = 1) -> Iterator[Any]:
+def worker_share(
+    keys: Iterable[Any], worker_id: int, num_workers: int, block: int = 1
+) -> Iterator[Any]:
     """Keys of blocks worker_id, worker_id + num_workers, ... of `block` consecutive keys.
     Pulls no key past the one it yields, so the source's position stays exact."""
     if not 0 <= worker_id < num_workers or block < 1:
-        raise ValueError(f"need 0 <= worker_id < num_workers and block >= 1, got {worker_id}, {num_workers}, {block}")
+        raise ValueError(
+            f"need 0 <= worker_id < num_workers and block >= 1, got {worker_id}, {num_workers}, {block}"
+        )
     for q, key in enumerate(keys):
         if (q // block) % num_workers == worker_id:
             yield key
@@ -111,7 +115,8 @@ class MapDistributor(_KeyedDistributor):
         if len(dataset) == 0:
             raise ValueError("MapDistributor needs a non-empty dataset")
         self.dataset = dataset
-        self.seed, self.shuffle, self.drop_last, self.num_epochs = seed, shuffle, drop_last, num_epochs
+        self.seed, self.shuffle = seed, shuffle
+        self.drop_last, self.num_epochs = drop_last, num_epochs
         self.fingerprint = data_fingerprint(dataset)
         self.epoch, self.consumed = 0, 0
         self._cache: tuple[int, np.ndarray] | None = None
@@ -148,7 +153,12 @@ class MapDistributor(_KeyedDistributor):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, **self._setup(), "epoch": self.epoch, "consumed": self.consumed}
+        return {
+            "version": STATE_VERSION,
+            **self._setup(),
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("MapDistributor", state, self._setup())
@@ -169,7 +179,7 @@ class IterableDistributor(_KeyedDistributor):
                 "iterator: every worker and every resume reads it from the start"
             )
         self.iterable = iterable
-        self.fingerprint = f"len={len(iterable)}" if hasattr(iterable, "__len__") else "unsized"
+        self.fingerprint = f"len={len(iterable)}" if isinstance(iterable, Sized) else "unsized"
         self.consumed = 0
 
     def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
@@ -182,7 +192,11 @@ class IterableDistributor(_KeyedDistributor):
                 yield item
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "fingerprint": self.fingerprint, "consumed": self.consumed}
+        return {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "consumed": self.consumed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("IterableDistributor", state, {"fingerprint": self.fingerprint})
@@ -233,11 +247,12 @@ class RankPartitionedDistributor(_KeyedDistributor):
 
     def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple[int, Any]]:
         source, sub_rank, sub_world = self.assignment(dp_rank, dp_world_size)
-        for field, saved, now in (("dp_world_size", self.dp_world_size, dp_world_size), ("source", self.source, source)):
-            if saved is not None and saved != now:
-                raise ValueError(
-                    f"RankPartitionedDistributor cannot resume on rank {dp_rank}: {field}: saved {saved}, now {now}"
-                )
+        saved, now = [self.dp_world_size, self.source], [dp_world_size, source]
+        if saved != [None, None] and saved != now:
+            raise ValueError(
+                f"RankPartitionedDistributor cannot resume on rank {dp_rank}: "
+                f"[dp_world_size, source]: saved {saved}, now {now}"
+            )
         self.dp_world_size, self.source = dp_world_size, source
         for key in self.sources[source].keys(sub_rank, sub_world):
             yield source, key

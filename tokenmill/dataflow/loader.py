@@ -2,8 +2,12 @@
 
 DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator -> training step.
 The batch sequence is defined as if one process ran the roles; worker w of N yields
-groups w, w + N, ... of it, and torch's DataLoader returns worker outputs round robin,
-so the sequence is the same for every num_workers and a resume continues it exactly.
+groups w, w + N, ... of it and torch's DataLoader returns worker outputs round robin, so
+the sequence is the same for every num_workers and a resume continues it exactly. With a
+fixed group size a worker reads only its own groups' items. A packing group depends on
+the sizes of every sample before it, so each worker runs the roles up to the batcher on
+the whole stream and collates only its own groups: exact for any processor, at the cost
+of reading every item once per worker (see benchmarks/bench_loader.py).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def run_roles(
     keys = distributor.keys(dp_rank, dp_world_size)
     if block:
         keys = worker_share(keys, worker_id, num_workers, block)
-    positions = {0: distributor.state_dict()}  # distributor state after each pulled sample
+    positions = {0: distributor.state_dict()}  # packing: distributor state after each sample
     pulled = 0
 
     def samples() -> Iterator[dict]:
@@ -50,15 +54,18 @@ def run_roles(
         for key in keys:
             sample = processor.process(distributor.fetch(key))
             pulled += 1
-            positions[pulled] = distributor.state_dict()
+            if not block:
+                positions[pulled] = distributor.state_dict()
             yield sample
 
     for index, group in enumerate(batcher.batches(samples())):
         batcher_state = batcher.state_dict()
         restart = pulled - batcher_state.get("pending", 0)
+        if restart == pulled:
+            positions = {pulled: distributor.state_dict()}
+        else:
+            positions = {k: v for k, v in positions.items() if k >= restart}
         position = {"distributor": positions[restart], "batcher": batcher_state}
-        for old in [k for k in positions if k < restart]:
-            del positions[old]
         if block or index % num_workers == worker_id:
             yield collator.collate(group), position, dict(getattr(batcher, "counters", {}))
 
@@ -107,7 +114,10 @@ class DataflowLoader:
     ) -> None:
         if batch_size is not None:
             if batcher is not None or collator is not None:
-                raise ValueError("batch_size=N stands for SimpleBatcher(N) + DefaultBatchCollator(); give it or a batcher and collator, not both")
+                raise ValueError(
+                    "batch_size=N stands for SimpleBatcher(N) + DefaultBatchCollator(); "
+                    "give it or a batcher and collator, not both"
+                )
             batcher, collator = SimpleBatcher(batch_size), DefaultBatchCollator()
         if batcher is None:
             raise ValueError("DataflowLoader needs batch_size=N or a batcher")
@@ -121,11 +131,12 @@ class DataflowLoader:
         self.pin_memory, self.multiprocessing_context = pin_memory, multiprocessing_context
         self.consumed_batches = 0
         self.counters: dict[str, int] = {}
-        self._position = {"distributor": distributor.state_dict(), "batcher": batcher.state_dict()}
+        self._position: dict[str, Any] | None = None  # None: wherever the roles stand now
 
     def __iter__(self) -> Iterator[dict]:
-        self.distributor.load_state_dict(self._position["distributor"])
-        self.batcher.load_state_dict(self._position["batcher"])
+        position = self._current_position()
+        self.distributor.load_state_dict(position["distributor"])
+        self.batcher.load_state_dict(position["batcher"])
         if self.num_workers == 0:
             outputs: Any = iter(_Roles(self))
         else:
@@ -153,6 +164,14 @@ class DataflowLoader:
             if shutdown is not None:
                 shutdown()
 
+    def _current_position(self) -> dict[str, Any]:
+        if self._position is None:
+            self._position = {
+                "distributor": self.distributor.state_dict(),
+                "batcher": self.batcher.state_dict(),
+            }
+        return self._position
+
     def _setup(self) -> dict[str, Any]:
         """Fields a packing state must match: its positions belong to one rank of one world."""
         if self.batcher.group_size:
@@ -163,9 +182,9 @@ class DataflowLoader:
         return {
             "version": STATE_VERSION,
             "dp_world_size": self.dp_world_size,
-            "dp_rank": self.dp_rank,
+            "dp_rank": None if self.batcher.group_size else self.dp_rank,  # None: any rank's state
             "consumed_batches": self.consumed_batches,
-            "position": self._position,
+            "position": self._current_position(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

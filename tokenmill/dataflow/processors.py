@@ -46,7 +46,9 @@ class TruncateProcessor(RawItemProcessor):
     `keys=None` cuts every 1-D integer or bool tensor and every list of them (GRPO
     `responses` and `masks`); float tensors (`rewards`) stay whole."""
 
-    def __init__(self, max_len: int, keys: Sequence[str] | None = None, keep_end: bool = False) -> None:
+    def __init__(
+        self, max_len: int, keys: Sequence[str] | None = None, keep_end: bool = False
+    ) -> None:
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         self.max_len, self.keys, self.keep_end = max_len, keys, keep_end
@@ -63,5 +65,7 @@ class TruncateProcessor(RawItemProcessor):
             elif isinstance(value, list) and all(_is_tokens(v) for v in value):
                 sample[key] = [self._cut(v) for v in value]
             elif self.keys is not None:
-                raise TypeError(f"TruncateProcessor: key {key!r} is not a 1-D token tensor or a list of them")
+                raise TypeError(
+                    f"TruncateProcessor: key {key!r} is not a 1-D token tensor or a list of them"
+                )
         return sample
