@@ -78,7 +78,7 @@ def test_mask_config_changes_which_roles_train():
     "train_type, data, reason, field",
     [
         ("sft", {"messages": []}, "empty", "messages"),
-        ("sft", {"messages": [{"role": "user", "content": "only a question, nothing trains here"}]},
+        ("sft", {"messages": [{"role": "user", "content": "only a question, nothing trains here, and it is long enough to pass"}]},
          "no_trained_tokens", "messages"),
         ("sft", {"messages": [{"role": "bot", "content": "x" * 60}]}, "unknown_role", "messages[0].role"),
         ("dpo", {"chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
@@ -108,3 +108,24 @@ def test_truncation_modes():
         out = RecordMasker(PipelineConfig.from_dict(base), QWEN).process(text)
         assert len(out["sequence"]) == 10
         assert (int(out["sequence"][-1]) == IM_END) is expect_eos
+
+
+def test_one_bos_per_record_whatever_the_sections_and_truncation():
+    cfg = PipelineConfig.from_dict({"input": {"sections": [
+        {"field": "system", "action": "mask"},
+        {"field": "messages", "template": True, "action": "$role"}]}, "preprocessing": {"min_chars": 0}})
+    data = {"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"},
+                                                {"role": "assistant", "content": "Hello there"}]}
+    seq = RecordMasker(cfg, DEEPSEEK).process(data)["sequence"].tolist()
+    assert seq[0] == DEEPSEEK.bos_id and seq.count(DEEPSEEK.bos_id) == 1
+    base = default_config("seq").model_dump(mode="json")
+    base["preprocessing"].update(max_seq_len=8, truncation_mode="keep_end")
+    out = RecordMasker(PipelineConfig.from_dict(base), DEEPSEEK).process({"text": "word " * 40})
+    assert len(out["sequence"]) == 8 and out["sequence"].tolist()[0] == DEEPSEEK.bos_id
+    assert out["sequence"].tolist().count(DEEPSEEK.bos_id) == 1
+
+
+def test_a_filtered_record_counts_as_filtered_even_if_nothing_trains():
+    with pytest.raises(RecordError) as err:
+        RecordMasker(default_config("sft"), QWEN).process({"messages": [{"role": "user", "content": "hi"}]})
+    assert err.value.reason == "too_short"

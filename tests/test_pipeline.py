@@ -251,3 +251,37 @@ def test_deepseek_records_start_with_one_masked_bos(tmp_path):
         rec = store.fetch_record(i, ["sequence", "loss_mask"])
         assert int(rec["sequence"][0]) == 0 and int((rec["sequence"] == 0).sum()) == 1
         assert not bool(rec["loss_mask"][0]) and bool(rec["loss_mask"][-1])
+
+
+def test_jsonl_output_with_domains_resumes_and_lists_domains_in_store_order(tmp_path):
+    texts = [json.loads(x)["text"] for x in lines_of(DATA / "pretrain_c4_300.jsonl")[:60]]
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps({"text": t, "lang": "zz" if i % 2 else "aa"}) + "\n"
+                           for i, t in enumerate(texts)))
+    cfg = config("seq", preprocessing={"packing_strategy": "none", "batch_size": 4},
+                 output={"domain_key": "lang", "max_tokens_per_shard": 3_000, "storage_format": "jsonl"})
+    clean = tmp_path / "clean"
+    Pipeline(cfg, [src], clean, QWEN, workers=1).run()
+    assert list(read_manifest(clean)["domains"]) == ["aa", "zz"]
+
+    import tokenmill.shards as shards
+
+    out, calls = tmp_path / "out", {"n": 0}
+    real_flush = shards.ShardWriter._flush
+
+    def crash_on_fourth(self):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        real_flush(self)
+
+    shards.ShardWriter._flush = crash_on_fourth
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Pipeline(cfg, [src], out, QWEN, workers=1).run()
+    finally:
+        shards.ShardWriter._flush = real_flush
+    assert read_manifest(out) is None and list(out.rglob("part_*.jsonl"))
+    Pipeline(cfg, [src], out, QWEN, workers=1).run()
+    assert files_of(out) == files_of(clean)
+    assert read_manifest(out)["domains"] == read_manifest(clean)["domains"]

@@ -539,3 +539,8 @@ def test_lazy_line_index_across_chunk_boundaries(tmp_path):
     store = JsonlStore().load(path, processor=lambda r: {"n": np.array([len(r["t"])])})
     assert path.stat().st_size > 2 * (1 << 22) and store._line_pos.tolist() == want
     assert store.fetch_record(store.num_records - 1, "n").item() == len("last line, no newline")
+
+
+def test_store_factory_takes_the_seed_positional_call_shape():
+    store = StoreFactory.create("bin", 2048, 1024)
+    assert (store.window_size, store.stride) == (2048, 1024)

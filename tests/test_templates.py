@@ -324,3 +324,25 @@ def test_preamble_before_the_first_header_never_trains(family, bundles, oracles)
     runs = _trained_runs(bundles[family], ids, mask)
     assert len(runs) == 2 and "You are Qwen" not in "".join(runs)
     assert runs[0].endswith("Hello there, how can I help?" + ("<|im_end|>\n" if "qwen" in family else DS_EOS))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("content", ["assistant.", "You are a helpful assistant.", "user", "<think>"])
+def test_content_that_looks_like_template_text_is_placed_exactly(family, content, bundles, oracles):
+    """A user turn whose text also occurs in the default system prompt or a header stays masked."""
+    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "Sure"}]
+    ids, mask = render_conversation(bundles[family], messages, [False, True])
+    assert ids.tolist() == _oracle_ids(oracles[family], messages)
+    end = "<|im_end|>\n" if "qwen" in family else DS_EOS
+    head = "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if family == "qwen3" else "")
+    assert _trained_runs(bundles[family], ids, mask) == [
+        (head if "qwen" in family else "<｜Assistant｜>") + "Sure" + end]
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "deepseek-v3"])
+def test_default_preamble_stays_masked_when_the_first_role_trains_once(family, bundles, oracles):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    ids, mask = render_conversation(bundles[family], messages, [True, True])
+    runs = _trained_runs(bundles[family], ids, mask)
+    assert "You are Qwen" not in "".join(runs) and not mask[0]
+    assert "".join(runs).startswith("<|im_start|>user\nHi" if family == "qwen2.5" else "<｜User｜>Hi")

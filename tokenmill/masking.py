@@ -89,9 +89,19 @@ class RecordMasker:
         if not isinstance(record.data, dict):
             raise RecordError(record.source, record.line, None, "expected a JSON object", "not_object")
         counter = [0]
+        try:
+            out = self._outputs(record, counter)
+        except RecordError as err:
+            if err.reason == "no_trained_tokens":
+                self._check_chars(record, counter[0])  # a filtered record is counted as filtered
+            raise
+        self._check_chars(record, counter[0])
+        return out
+
+    def _outputs(self, record: Record, counter: list[int]) -> Output:
         if not self.config.multi_output:
             ids, mask = self._sections(record, self.config.input.sections, counter)
-            ids, mask = self._truncate(ids), self._truncate(mask)
+            ids, mask = self._truncate(ids, mask)
             out: Output = {"sequence": ids}
             if self.single_needs_mask():
                 out["loss_mask"] = mask
@@ -102,7 +112,6 @@ class RecordMasker:
                 out["position_ids"] = np.arange(len(ids), dtype=np.int32)
         else:
             out = self._sources(record, counter)
-        self._check_chars(record, counter[0])
         return out
 
     def _sources(self, record: Record, counter: list[int]) -> Output:
@@ -125,8 +134,9 @@ class RecordMasker:
                     raise RecordError(record.source, record.line, section.field, "empty group", "empty")
                 pairs = [self._one(record, section, f"{section.field}[{j}]", item, True, counter)
                          for j, item in enumerate(items)]
-                out[key] = [self._truncate(ids) for ids, _ in pairs]
-                masks = [self._truncate(mask) for _, mask in pairs]
+                pairs = [self._truncate(ids, mask) for ids, mask in pairs]
+                out[key] = [ids for ids, _ in pairs]
+                masks = [mask for _, mask in pairs]
                 if _can_train(source.sections) and not all(m.any() for m in masks):
                     raise RecordError(record.source, record.line, section.field,
                                       "an item trains no token", "no_trained_tokens")
@@ -135,8 +145,8 @@ class RecordMasker:
                 group_sizes[key] = len(items)
             else:
                 ids, mask = self._sections(record, source.sections, counter)
-                out[key] = self._truncate(ids)
-                mask = self._truncate(mask)
+                ids, mask = self._truncate(ids, mask)
+                out[key] = ids
                 if _can_train(source.sections) and not mask.any():
                     raise RecordError(record.source, record.line, source.sections[0].field,
                                       "no token is trained after masking and truncation", "no_trained_tokens")
@@ -173,8 +183,12 @@ class RecordMasker:
             try:
                 ids, mask = render_conversation(self.bundle, messages, actions,
                                                 add_generation_prompt=section.generation_prompt)
-            except (ValueError, jinja2.TemplateError) as err:  # raise_exception() in a template
-                raise RecordError(record.source, record.line, field, str(err), "template_error") from None
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError, jinja2.TemplateError) as err:
+                # raise_exception() in a template, or a template tripping over odd message fields
+                raise RecordError(record.source, record.line, field, f"chat template: {err}",
+                                  "template_error") from None
+            if not first and self.bundle.bos_id is not None and len(ids) and ids[0] == self.bundle.bos_id:
+                ids, mask = ids[1:], mask[1:]  # one BOS per record: only the first section's
         else:
             if not isinstance(value, str):
                 raise RecordError(record.source, record.line, field,
@@ -204,11 +218,17 @@ class RecordMasker:
                 raise RecordError(record.source, record.line, where, f"not a finite number: {v}", "bad_value")
         return np.asarray(items, dtype=np.float32)
 
-    def _truncate(self, arr: np.ndarray) -> np.ndarray:
+    def _truncate(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Cut to max_seq_len; keep_end keeps a leading BOS (masked) so a record still starts with one."""
         limit = self.config.preprocessing.max_seq_len
-        if len(arr) <= limit:
-            return arr
-        return arr[:limit] if self.config.preprocessing.truncation_mode == "keep_start" else arr[-limit:]
+        if len(ids) <= limit:
+            return ids, mask
+        if self.config.preprocessing.truncation_mode == "keep_start":
+            return ids[:limit], mask[:limit]
+        bos = self.bundle.bos_id
+        if bos is not None and ids[0] == bos and limit > 1:
+            return np.concatenate([ids[:1], ids[-(limit - 1):]]), np.concatenate([[False], mask[-(limit - 1):]])
+        return ids[-limit:], mask[-limit:]
 
     def _check_chars(self, record: Record, chars: int) -> None:
         pre = self.config.preprocessing

@@ -28,8 +28,8 @@ from tokenmill.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, set
 from tokenmill.config import PipelineConfig
 from tokenmill.masking import FILTER_REASONS, RecordMasker
 from tokenmill.records import RecordError, list_inputs
-from tokenmill.runlog import Journal, Summary, row_tokens, row_trained
-from tokenmill.shards import ShardWriter, read_manifest, write_manifest
+from tokenmill.runlog import STATE_DIR, Journal, Summary, row_tokens, row_trained
+from tokenmill.shards import ShardWriter, natural_key, read_manifest, write_manifest
 from tokenmill.templates import load_tokenizer
 
 ON_ERROR = ("raise", "skip")
@@ -199,6 +199,7 @@ class Pipeline:
             return None
         manifest = read_manifest(out)
         if manifest is not None and manifest.get("run_id") == run_id:
+            shutil.rmtree(out / STATE_DIR, ignore_errors=True)  # a crash right after the manifest
             return Summary(**manifest["summary"])  # the same job already finished: nothing to do
         if manifest is None and Journal.run_id_of(out) == run_id:
             return None  # an interrupted run of this same job: resume it
@@ -228,7 +229,7 @@ class Pipeline:
             "primary_key": masker.primary_key(),
             "storage_format": self.config.output.storage_format,
             "inputs": [str(f) for f in files],
-            "domains": domains,
+            "domains": {d: domains[d] for d in sorted(domains, key=lambda d: natural_key(Path(d)))},
             "summary": summary.as_dict(),
         }
 

@@ -9,6 +9,7 @@ run reuses complete shards and ends byte-identical to a clean run.
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -69,7 +70,10 @@ class Summary:
 
 
 def row_tokens(value: Any) -> int:
-    return sum(len(v) for v in value) if isinstance(value, list) else len(value)
+    """Tokens of one output value: an array, a list of ints (JSONL) or a list of arrays/lists (groups)."""
+    if isinstance(value, list) and value and not isinstance(value[0], (int, float)):
+        return sum(len(v) for v in value)
+    return len(value)
 
 
 def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:
@@ -124,7 +128,7 @@ class Journal:
         state = ResumeState()
         if not entries:
             return state
-        domains = {d for e in entries for d in e["rows"]}
+        domains = sorted({d for e in entries for d in e["rows"]})
         on_disk = {d: published_shards(Path(output_dir) / d if d else Path(output_dir), primary) for d in domains}
         published = {d: sum(info["records"] for info in infos) for d, infos in on_disk.items()}
         cum = dict.fromkeys(domains, 0)
@@ -145,7 +149,9 @@ class Journal:
                              "cannot resume, pass --overwrite to start again")
         # keep only the journal lines of chunks that will not be processed again
         self._file.close()
-        self.path.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in entries[:done]))
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in entries[:done]))
+        os.replace(tmp, self.path)  # a crash here leaves the old journal, never half of one
         self._file = open(self.path, "ab")
         return state
 

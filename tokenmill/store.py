@@ -430,7 +430,8 @@ class StoreFactory:
     """Picks the store class for a storage format name ('bin' or 'jsonl')."""
 
     @staticmethod
-    def create(storage_type: str, **options: Any) -> Store:
+    def create(storage_type: str, window_size: int | None = None, stride: int | None = None,
+               **options: Any) -> Store:
         classes = stores()
         if storage_type not in classes:
             raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(classes)}")
@@ -439,4 +440,4 @@ class StoreFactory:
             raise TypeError(
                 f"StoreFactory.create: unknown keyword(s) {unknown}; valid: {list(STORE_OPTIONS)}"
             )
-        return classes[storage_type](**options)
+        return classes[storage_type](window_size=window_size, stride=stride)

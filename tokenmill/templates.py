@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
@@ -248,10 +249,15 @@ def render_conversation(
     table = _added_table(bundle.tokenizer)
     is_control = table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
     control = (first_char[is_control], offsets[is_control, 1])
-    found = _locate_contents(text, messages, prompt_start, control)
-    located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
+    glue = _marker_glue(bundle, messages, add_generation_prompt)
+    located = _locate_by_glue(text, messages, glue) if glue else None
+    if located is None:  # the template shapes its text around the content: search for it instead
+        found = _locate_contents(text, messages, prompt_start, control)
+        located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
     span_starts = _span_starts(text, located, prompt_start, first_char)
     span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
+    if span_starts[0] == 0 and glue:
+        span_starts[0] = _probe_first_header(bundle, messages, glue, text, prompt_start, first_char)
     starts = np.asarray([0, *span_starts])  # span 0: the template's preamble, never trained
     owner = np.searchsorted(starts, first_char, side="right") - 1
     mask = np.asarray([False, *actions], dtype=bool)[owner] & (first_char < prompt_start)
@@ -460,3 +466,71 @@ def _first_header_start(
             token = int(np.searchsorted(token_starts, at, side="right")) - 1
             return int(token_starts[token]) if token >= 0 else at
     return 0
+
+
+_CONTENT_MARK = "\ue000{}\ue001"  # private-use characters: never template text
+
+
+def _marker_glue(bundle: TokenizerBundle, messages: list[dict], add_generation_prompt: bool) -> list[str] | None:
+    """The template's own text around the contents: rendered once with a marker for each content.
+
+    Returns n + 1 pieces (before content 0, between contents, after the last), or None when
+    the template does not place every marker once and in order.
+    """
+    marks = [_CONTENT_MARK.format(k) for k in range(len(messages))]
+    try:
+        probe = render_text(bundle, [{**m, "content": marks[k]} for k, m in enumerate(messages)],
+                            add_generation_prompt)
+    except Exception:  # a template may refuse marker content; the search path still works
+        return None
+    pieces = re.split("(\ue000\\d+\ue001)", probe)
+    if pieces[1::2] != marks:
+        return None
+    return pieces[0::2]
+
+
+def _locate_by_glue(text: str, messages: list[dict], glue: list[str]) -> list[tuple[int, int]] | None:
+    """Content spans by walking the real rendering: glue, a visible form of the content, glue, ...
+
+    Exact whenever the template's text does not depend on the content (then nothing inside a
+    default system prompt or a header can be mistaken for a message); None otherwise.
+    """
+    if not text.startswith(glue[0]):
+        return None
+    pos, located = len(glue[0]), []
+    for k, message in enumerate(messages):
+        content = message.get("content")
+        forms = _visible_forms(content) if isinstance(content, str) else [""]
+        for form in forms:
+            if text.startswith(form, pos) and text.startswith(glue[k + 1], pos + len(form)):
+                break
+        else:
+            return None
+        located.append((pos, pos + len(form)))
+        pos += len(form) + len(glue[k + 1])
+    return located if pos == len(text) else None
+
+
+def _probe_first_header(bundle: TokenizerBundle, messages: list[dict], glue: list[str], text: str,
+                        limit: int, token_starts: np.ndarray) -> int:
+    """Message 0's header, learned by rendering message 0 twice (its end-of-turn + header then sit
+    between the two copies); 0 when the template refuses that or the header is not found."""
+    marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
+    doubled = [messages[0], *messages]
+    try:
+        probe = render_text(bundle, [{**m, "content": marks[k]} for k, m in enumerate(doubled)], False)
+    except Exception:
+        return 0
+    pieces = re.split("(\ue000\\d+\ue001)", probe)
+    if pieces[1::2] != marks:
+        return 0
+    between, tail = pieces[2], pieces[-1]
+    shared = 0
+    while shared < min(len(between), len(tail)) and between[shared] == tail[shared]:
+        shared += 1
+    header = between[shared:]
+    if not header or not glue[0].endswith(header) or len(glue[0]) > limit:
+        return 0
+    at = len(glue[0]) - len(header)
+    token = int(np.searchsorted(token_starts, at, side="right")) - 1
+    return int(token_starts[token]) if token >= 0 else at
