@@ -103,7 +103,7 @@ def resume_seconds(ds: WindowDataset, workers: int, at: int) -> float:
     return seconds
 
 
-def main(batches: int, repeats: int, workers: int) -> None:
+def main(batches: int = 400, repeats: int = 3, workers: int = 2) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tokens.bin"
         write_tokens(path, WINDOWS * WINDOW + 1)
@@ -123,11 +123,14 @@ def main(batches: int, repeats: int, workers: int) -> None:
             print(
                 f"{name:<24} {value:>10.1f} {value * BATCH * WINDOW:>12.0f} {value / floor:>8.2f}x"
             )
+        figures = {f"{name} vs plain": value / floor for name, value in results.items()}
         for w in (0, workers):
             seconds = statistics.median(
                 resume_seconds(ds, w, 10**6 + 12_345) for _ in range(repeats)
             )
             print(f"resume at sample 1,012,345 (num_workers={w}): {seconds * 1000:.1f} ms")
+            figures[f"resume ms (num_workers={w})"] = seconds * 1000
+        return figures
 
 
 if __name__ == "__main__":

@@ -41,18 +41,21 @@ def measure(lengths: np.ndarray, max_len: int, strategy: str, repeats: int) -> d
     }
 
 
-def main(max_len: int = 8192, repeats: int = 3) -> None:
+def main(max_len: int = 8192, repeats: int = 3) -> dict[str, float]:
     print(f"plan_packing, max_len={max_len}, median of {repeats} runs")
     print(
         f"{'strategy':<10} {'docs':>8} {'ms':>9} {'us/doc':>7} {'rows':>7} {'fill':>7} {'dropped':>8}"
     )
+    figures: dict[str, float] = {}
     for strategy in PACKING_STRATEGIES:
         for num_docs in SIZES:
             m = measure(doc_lengths(num_docs), max_len, strategy, repeats)
+            figures[f"{strategy} fill at {num_docs} docs"] = m["fill"]
             print(
                 f"{strategy:<10} {num_docs:>8} {m['ms']:>9.1f} {1000 * m['ms'] / num_docs:>7.2f} "
                 f"{m['rows']:>7} {m['fill']:>7.2%} {m['dropped']:>8.2%}"
             )
+    return figures
 
 
 if __name__ == "__main__":

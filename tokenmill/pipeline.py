@@ -130,7 +130,7 @@ class Pipeline:
                 yield process_chunk(chunk)
             return
         chunks = chain(first, chunks)
-        ctx = get_context("spawn")
+        ctx = get_context("spawn")  # safe beside a parent that already runs torch or tokenizer threads
         with ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=setup_worker, initargs=args) as pool:
             pending: deque[Future[ChunkResult]] = deque()
             for chunk in chunks:
