@@ -346,3 +346,13 @@ def test_default_preamble_stays_masked_when_the_first_role_trains_once(family, b
     runs = _trained_runs(bundles[family], ids, mask)
     assert "You are Qwen" not in "".join(runs) and not mask[0]
     assert "".join(runs).startswith("<|im_start|>user\nHi" if family == "qwen2.5" else "<｜User｜>Hi")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_assistant_end_of_turn_trains_when_the_chat_ends_with_a_user_turn(family, bundles, oracles):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"}]
+    ids, mask = render_conversation(bundles[family], messages, [False, True, False])
+    assert ids.tolist() == _oracle_ids(oracles[family], messages)
+    expected = "<｜Assistant｜>Hello" + DS_EOS if family == "deepseek-v3" else "<|im_start|>assistant\nHello<|im_end|>\n"
+    assert _trained_runs(bundles[family], ids, mask) == [expected]

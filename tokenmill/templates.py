@@ -254,7 +254,8 @@ def render_conversation(
     if located is None:  # the template shapes its text around the content: search for it instead
         found = _locate_contents(text, messages, prompt_start, control)
         located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
-    span_starts = _span_starts(text, located, prompt_start, first_char)
+    tails = _role_tails(bundle, messages, actions, glue) if glue else None
+    span_starts = _span_starts(text, located, prompt_start, first_char, tails)
     span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
     if span_starts[0] == 0 and glue:
         span_starts[0] = _probe_first_header(bundle, messages, glue, text, prompt_start, first_char)
@@ -428,7 +429,8 @@ def _marker_places(
 
 
 def _span_starts(
-    text: str, located: list[tuple[int, int]], limit: int, token_starts: np.ndarray
+    text: str, located: list[tuple[int, int]], limit: int, token_starts: np.ndarray,
+    tails: list[str] | None = None,
 ) -> list[int]:
     """Where each message's span starts: after the previous content and its end-of-turn.
 
@@ -436,10 +438,11 @@ def _span_starts(
     prompt); between two contents, the part of the gap it shares is the end-of-turn,
     cut back to whole tokens (`<｜User｜>` and `<｜end▁of▁sentence｜>` share `<｜`).
     """
-    tail = text[located[-1][1] : limit]
+    last_tail = text[located[-1][1] : limit]
     starts = [0]
-    for (_, end), (next_start, _) in pairwise(located):
+    for k, ((_, end), (next_start, _)) in enumerate(pairwise(located)):
         gap = text[end:next_start]
+        tail = tails[k] if tails is not None else last_tail
         shared = 0
         while shared < min(len(gap), len(tail)) and gap[shared] == tail[shared]:
             shared += 1
@@ -534,3 +537,31 @@ def _probe_first_header(bundle: TokenizerBundle, messages: list[dict], glue: lis
     at = len(glue[0]) - len(header)
     token = int(np.searchsorted(token_starts, at, side="right")) - 1
     return int(token_starts[token]) if token >= 0 else at
+
+
+def _role_tails(bundle: TokenizerBundle, messages: list[dict], actions: list[bool],
+                glue: list[str]) -> list[str] | None:
+    """The end-of-turn text of each message's role, where it differs from the last message's.
+
+    The text after the last content shows only the last role's end-of-turn (DeepSeek's user
+    turn has none, its assistant turn ends with EOS). For a trained role other than the last
+    one, render once more with a marker message of that role appended and read its tail.
+    """
+    last_role = messages[-1].get("role")
+    tails = {last_role: glue[-1]}
+    for message, trains in zip(messages[:-1], actions[:-1]):
+        role = message.get("role")
+        if not trains or role in tails:
+            continue
+        marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
+        probe_messages = [*messages, {"role": role, "content": ""}]
+        try:
+            probe = render_text(bundle, [{**m, "content": marks[k]} for k, m in enumerate(probe_messages)], False)
+        except Exception:  # the template refuses that shape: keep the last message's tail
+            continue
+        pieces = re.split("(\ue000\\d+\ue001)", probe)
+        if pieces[1::2] == marks:
+            tails[role] = pieces[-1]
+    if len(tails) == 1:
+        return None
+    return [tails.get(m.get("role"), glue[-1]) for m in messages[:-1]]
