@@ -199,7 +199,7 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
 
     class CrashOnce(ChunkWorker):  # defined here, so Ray ships it by value to the actors
         def __call__(self, batch):
-            if batch.column("index")[0].as_py() == 3 and not marker.exists():
+            if int(batch["index"][0]) == 3 and not marker.exists():
                 marker.touch()
                 os._exit(1)  # the actor's process dies mid-chunk
             return super().__call__(batch)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import codecs
 import itertools
-import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from tokenmill.chunks import Chunk, ChunkResult, process_chunk
@@ -233,18 +231,16 @@ class ChunkWorker:
             PipelineConfig.from_dict(config_data), load_tokenizer(tokenizer_path)
         )
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        results = [
-            pickle.dumps(process_chunk(read_chunk(pickle.loads(blob)), self.masker))
-            for blob in batch.column("plan").to_pylist()
-        ]
-        return pa.table(
-            {"index": batch.column("index"), "result": pa.array(results, pa.large_binary())}
-        )
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Plans in, ChunkResults out, as Python-object columns that Ray Data serialises itself."""
+        results = np.empty(len(batch["plan"]), dtype=object)
+        for j, plan in enumerate(batch["plan"]):
+            results[j] = process_chunk(read_chunk(plan), self.masker)
+        return {"index": batch["index"], "result": results}
 
 
 def _scan_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {"index": row["index"], "scan": pickle.dumps(scan_file(row["path"]))}
+    return {"index": row["index"], "scan": scan_file(row["path"])}
 
 
 def ray_results(
@@ -271,9 +267,7 @@ def ray_results(
         scans = _scans(ray, files)
         pre = config.preprocessing
         plans = plan_chunks(scans, pre.batch_size, pre.max_items)
-        items = [  # each plan pickled as soon as it is cut: ~5 bytes a record on the driver
-            {"index": p.index, "plan": pickle.dumps(p)} for p in plans if p.index >= first_chunk
-        ]
+        items = [{"index": p.index, "plan": p} for p in plans if p.index >= first_chunk]
         if not items:
             return
         size, cpus = _pool_size(ray, workers)
@@ -282,7 +276,7 @@ def ray_results(
             ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
             fn_constructor_args=args,
             batch_size=1,
-            batch_format="pyarrow",
+            batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=size),
             num_cpus=cpus,
         )
@@ -291,7 +285,7 @@ def ray_results(
                 raise RuntimeError(
                     f"Ray returned chunk {row['index']} where chunk {expected} was due"
                 )
-            yield pickle.loads(row["result"])
+            yield row["result"]
     finally:
         if started:
             ray.shutdown()
@@ -305,7 +299,7 @@ def _scans(ray: ModuleType, files: list[Path]) -> Iterator[FileScan]:
             raise RuntimeError(
                 f"Ray returned the scan of file {row['index']} where {expected} was due"
             )
-        yield pickle.loads(row["scan"])
+        yield row["scan"]
 
 
 def _ordered(dataset: Any) -> Any:
