@@ -18,7 +18,7 @@ from pathlib import Path
 
 import orjson
 
-from tokenmill.config import default_config
+from tokenmill.config import PipelineConfig, default_config
 from tokenmill.pipeline import Pipeline
 from tokenmill.templates import load_tokenizer, render_text
 
@@ -45,22 +45,14 @@ def floor(path: Path) -> tuple[float, int]:
     return seconds, sum(len(e.ids) for e in encodings)
 
 
-def pipeline(path: Path, out: Path, workers: int) -> tuple[float, int]:
+def run(path: Path, out: Path, workers: int, engine: str = "local") -> tuple[float, int, int]:
+    """(seconds, records read, tokens written) of one end-to-end Pipeline run on `engine`."""
     config = default_config("sft").model_dump(mode="json")
     config["preprocessing"].update(max_seq_len=1_000_000, min_chars=0)
-    from tokenmill.config import PipelineConfig
-
     start = time.perf_counter()
-    summary = Pipeline(
-        PipelineConfig.from_dict(config),
-        [path],
-        out,
-        TOKENIZER,
-        workers=workers,
-        overwrite=True,
-        progress=False,
-    ).run()
-    return time.perf_counter() - start, summary.tokens
+    summary = Pipeline(PipelineConfig.from_dict(config), [path], out, TOKENIZER, workers=workers,
+                       on_error="skip", engine=engine, overwrite=True, progress=False).run()
+    return time.perf_counter() - start, summary.records_read, summary.tokens
 
 
 def main(copies: int = 3, repeats: int = 3, workers: int | None = None) -> dict[str, float]:
@@ -71,7 +63,7 @@ def main(copies: int = 3, repeats: int = 3, workers: int | None = None) -> dict[
         for i in range(repeats):
             seconds, tokens = floor(path)
             floors.append(tokens / seconds)
-            seconds, written = pipeline(path, Path(tmp) / f"out{i}", workers)
+            seconds, _, written = run(path, Path(tmp) / f"out{i}", workers)
             runs.append(written / seconds)
     f, p = statistics.median(floors), statistics.median(runs)
     print(

@@ -13,40 +13,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from tokenmill.config import PipelineConfig, default_config
-from tokenmill.pipeline import Pipeline
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "data" / "chat_sharegpt_1000.jsonl"
-TOKENIZER = ROOT / "data" / "tokenizers" / "qwen2.5"
-
-
-def corpus(copies: int, folder: Path) -> Path:
-    path = folder / "chat.jsonl"
-    path.write_bytes(DATA.read_bytes() * copies)
-    return path
-
-
-def run(path: Path, out: Path, workers: int, engine: str) -> tuple[float, int, int]:
-    """(seconds, records read, tokens written) of one end-to-end run."""
-    config = default_config("sft").model_dump(mode="json")
-    config["preprocessing"].update(max_seq_len=1_000_000, min_chars=0)
-    start = time.perf_counter()
-    summary = Pipeline(
-        PipelineConfig.from_dict(config),
-        [path],
-        out,
-        TOKENIZER,
-        workers=workers,
-        on_error="skip",
-        engine=engine,
-        overwrite=True,
-        progress=False,
-    ).run()
-    return time.perf_counter() - start, summary.records_read, summary.tokens
+from bench_preprocess import (  # the same corpus and end-to-end run as the local benchmark
+    corpus,
+    run,
+)
 
 
 def main(

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tokenmill.config import ConfigError, PipelineConfig, default_config
+from tokenmill.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
 from tokenmill.records import RecordError
 
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("inputs", nargs="+", help=".jsonl/.json(.gz/.zst)/.parquet files or folders")
     p.add_argument("-o", "--output", required=True, help="output dataset folder")
     p.add_argument("-c", "--config", help="PipelineConfig (.json or .yaml)")
-    p.add_argument("--type", choices=["seq", "sft", "instruction", "dpo", "grpo"],
+    p.add_argument("--type", choices=list(DEFAULT_CONFIGS),
                    help="use the built-in config of a training type instead of --config")
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer folder")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("show", help="one sample decoded, trained and masked tokens told apart")
     s.add_argument("target", help="a dataset folder, or raw records (.jsonl/.json/.parquet)")
     s.add_argument("--index", type=int, default=0)
-    s.add_argument("--type", choices=["seq", "sft", "instruction", "dpo", "grpo"],
+    s.add_argument("--type", choices=list(DEFAULT_CONFIGS),
                    help="raw records: use this training type's built-in config")
     s.add_argument("-c", "--config", help="raw records: a PipelineConfig file")
     s.add_argument("--tokenizer", help="tokenizer folder (default: the one the manifest names)")

@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -23,9 +23,7 @@ RoleAction = Literal["train", "mask"]
 TruncationMode = Literal["keep_start", "keep_end"]
 StorageFormat = Literal["bin", "jsonl"]
 Dtype = Literal["bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32"]
-ACTIONS: tuple[str, ...] = get_args(Action)
 DEFAULT_MASK: dict[str, RoleAction] = {"system": "mask", "user": "mask", "assistant": "train"}
-TRAIN_TYPES = ("seq", "sft", "instruction", "dpo", "grpo")
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 
 

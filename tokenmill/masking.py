@@ -22,8 +22,6 @@ Output = dict[str, "np.ndarray | list[np.ndarray]"]
 # Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
 FILTER_REASONS = ("too_short", "too_long")
 
-DEFAULT_DTYPES = {"rewards": "float32"}
-
 
 def key_dtype(key: str, config: PipelineConfig, value_keys: set[str]) -> str:
     """Stored dtype of an output key: config override, else bool masks, float32 values, int32 ids."""

@@ -254,4 +254,4 @@ def _progress_bar(enabled: bool) -> Any:
     return tqdm(unit="rec", unit_scale=True, desc="preprocess", file=sys.stderr)
 
 
-__all__ = ["Pipeline", "Summary", "Chunk"]
+__all__ = ["Pipeline"]

@@ -23,6 +23,8 @@ __all__ = [
     "data_parallel_coordinates",
     "data_fingerprint",
     "check_state",
+    "order_setup",
+    "order_state",
 ]
 
 STATE_VERSION = 1
@@ -99,6 +101,17 @@ def check_state(owner: str, state: dict, expected: dict[str, Any]) -> None:
             raise ValueError(f"{owner} cannot resume: {key}: saved {state[key]!r}, now {now!r}")
 
 
+def order_setup(owner: Any) -> dict[str, Any]:
+    """What an order's state is valid under (checked on load): seed, shuffle, drop_last, data."""
+    return {"seed": owner.seed, "shuffle": owner.shuffle, "drop_last": owner.drop_last,
+            "fingerprint": owner.fingerprint}
+
+
+def order_state(owner: Any) -> dict[str, Any]:
+    """The resume state of an epoch order: its setup, the epoch, and the global consumed count."""
+    return {"version": STATE_VERSION, **order_setup(owner), "epoch": owner.epoch, "consumed": owner.consumed}
+
+
 class RDSampler(Sampler[int]):
     """Distributed, resumable sampler for a map-style dataset.
 
@@ -170,20 +183,10 @@ class RDSampler(Sampler[int]):
         )
 
     def _setup(self) -> dict[str, Any]:
-        return {
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "fingerprint": self.fingerprint,
-        }
+        return order_setup(self)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            **self._setup(),
-            "epoch": self.epoch,
-            "consumed": self.consumed,
-        }
+        return order_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("RDSampler", state, self._setup())

@@ -21,6 +21,8 @@ from tokenmill.sampler import (
     data_fingerprint,
     epoch_end,
     epoch_order,
+    order_setup,
+    order_state,
 )
 
 __all__ = [
@@ -145,20 +147,10 @@ class MapDistributor(_KeyedDistributor):
         return self.dataset[key]
 
     def _setup(self) -> dict[str, Any]:
-        return {
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "fingerprint": self.fingerprint,
-        }
+        return order_setup(self)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            **self._setup(),
-            "epoch": self.epoch,
-            "consumed": self.consumed,
-        }
+        return order_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("MapDistributor", state, self._setup())
