@@ -126,6 +126,36 @@ def test_plans_cut_the_chunks_iter_chunks_cuts(tmp_path):
     assert sum(len(s.lines) for s in scans) >= 100 and sum(len(s.errors) for s in scans) >= 30
 
 
+def test_work_units_read_each_unseekable_file_in_one_pass(tmp_path, monkeypatch):
+    files = mixed_inputs(tmp_path / "mixed")
+    scans = [scan_file(str(f)) for f in files]
+    opened: list[str] = []
+    open_bytes = ray_engine.open_bytes
+
+    def counting_open(path):
+        opened.append(Path(path).name)
+        return open_bytes(path)
+
+    monkeypatch.setattr(ray_engine, "open_bytes", counting_open)
+    cfg = PipelineConfig.from_dict(
+        {"preprocessing": {"batch_size": 2}, "input": {"sections": [{"field": "text"}]}}
+    )
+    expected = [chunk_view(c) for c in iter_chunks(files, cfg, collect_errors=True)]
+    units = list(ray_engine.work_units(plan_chunks(scans, 2, None)))
+    got = []
+    for unit in units:
+        reader = ray_engine.SegmentReader()
+        got += [chunk_view(read_chunk(plan, reader)) for plan in unit]
+        reader.close()
+    assert got == expected
+    # b.jsonl.gz (7 records) and c.jsonl.zst (9) span several chunks each, yet each is opened once
+    assert opened.count("b.jsonl.gz") == 1 and opened.count("c.jsonl.zst") == 1
+    assert opened.count("a.jsonl") == 4  # seekable: one open (and seek) per chunk of its 7 records
+    spans = [{s.path for p in unit for s in p.segments} for unit in units]
+    for name in ("b.jsonl.gz", "c.jsonl.zst", "d.json"):
+        assert sum(any(path.endswith(name) for path in span) for span in spans) == 1
+
+
 def test_scan_places_every_record_of_a_compressed_file(tmp_path):
     (src,) = mixed_inputs(tmp_path / "mixed")[1:2]
     scan = scan_file(str(src))
@@ -199,10 +229,11 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
 
     class CrashOnce(ChunkWorker):  # defined here, so Ray ships it by value to the actors
         def __call__(self, batch):
-            if int(batch["index"][0]) == 3 and not marker.exists():
-                marker.touch()
-                os._exit(1)  # the actor's process dies mid-chunk
-            return super().__call__(batch)
+            for out in super().__call__(batch):
+                if int(out["index"][0]) == 3 and not marker.exists():
+                    marker.touch()
+                    os._exit(1)  # the actor's process dies with chunk 3 done, not yet handed on
+                yield out
 
     monkeypatch.setattr(ray_engine, "ChunkWorker", CrashOnce)
     cfg = config("seq")
@@ -211,6 +242,26 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
     assert read_manifest(tmp_path / "ray")["summary"]["records_read"] == 40
+
+
+def test_a_killed_shard_write_is_retried_and_leaves_no_orphan(tmp_path, ray_address, monkeypatch):
+    src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 40)
+    marker = tmp_path / "crashed-once"
+    write_rows = ray_engine.write_rows
+
+    def crash_once(final, *args):  # defined here, so Ray ships it by value to the workers
+        tmp, info = write_rows(final, *args)
+        if final.endswith("shard_00001") and not marker.exists():
+            marker.touch()
+            os._exit(1)  # the task's process dies with its temp shard written, not yet published
+        return tmp, info
+
+    monkeypatch.setattr(ray_engine, "write_rows", crash_once)
+    cfg = config("seq")
+    Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=1, on_error="skip", engine="ray").run()
+    assert marker.exists()
+    Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
+    assert_same_dataset(tmp_path / "ray", tmp_path / "local")  # also: no temp folder left over
 
 
 def test_driver_killed_then_resumed(tmp_path, ray_address):

@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +19,8 @@ from tokenmill.config import PipelineConfig
 from tokenmill.masking import RecordMasker
 from tokenmill.packing import apply_packing, plan_packing, position_ids
 from tokenmill.records import Record, RecordError, get_field, read_records
+from tokenmill.runlog import row_trained
+from tokenmill.shards import row_tokens
 from tokenmill.templates import load_tokenizer
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -32,12 +35,18 @@ class Chunk:
 
 @dataclass
 class ChunkResult:
+    """One chunk's output rows (domain, row) and its counts, made where the rows are made, so that
+    an engine that keeps the rows on its workers (Ray) can count, plan and journal without them."""
+
     index: int
     records_read: int
     records_written: int
-    rows: list[tuple[str, dict]]
+    rows: list[tuple[str, Any]]
     errors: list[RecordError]
     dropped_tokens: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    sizes: list[int] = field(default_factory=list)  # primary-key tokens of each row
 
 
 def iter_chunks(files: list[Path], config: PipelineConfig, collect_errors: bool) -> Iterator[Chunk]:
@@ -100,7 +109,16 @@ def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResu
         dropped += lost
         rows.extend((domain, row) for row in packed)
     read = len(chunk.records) + len(chunk.read_errors)
-    return ChunkResult(chunk.index, read, written, rows, errors, dropped)
+    result = ChunkResult(chunk.index, read, written, rows, errors, dropped)
+    dtypes = masker.dtypes()
+    mask_keys = [k for k, t in dtypes.items() if t == "bool"]
+    token_keys = [k for k, t in dtypes.items()
+                  if t != "bool" and k not in masker.value_keys() and k != "position_ids"]
+    primary = masker.primary_key()
+    result.tokens = sum(row_tokens(row[k]) for _, row in rows for k in token_keys)
+    result.trained_tokens = sum(row_trained(row, mask_keys, token_keys) for _, row in rows)
+    result.sizes = [row_tokens(row[primary]) for _, row in rows]
+    return result
 
 
 def pack_rows(outs: list[dict], config: PipelineConfig) -> tuple[list[dict], int]:

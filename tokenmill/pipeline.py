@@ -9,6 +9,7 @@ shards it published are removed: no manifest, nothing that looks complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -28,7 +29,7 @@ from tokenmill.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, set
 from tokenmill.config import PipelineConfig
 from tokenmill.masking import FILTER_REASONS, RecordMasker
 from tokenmill.records import RecordError, list_inputs
-from tokenmill.runlog import STATE_DIR, Journal, Summary, row_tokens, row_trained
+from tokenmill.runlog import STATE_DIR, Journal, ResumeState, Summary
 from tokenmill.shards import ShardWriter, natural_key, read_manifest, write_manifest
 from tokenmill.templates import load_tokenizer
 
@@ -62,9 +63,9 @@ class Pipeline:
         self.inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
         self.output_dir = Path(output_dir)
         self.tokenizer_path = str(tokenizer_path)
-        self.workers = workers if workers is not None else (os.cpu_count() or 1)
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        self.workers = workers  # None: every local core, or every cluster CPU but one (Ray)
         self.on_error = on_error
         self.engine = engine
         if engine == "ray":  # fail before touching the output folder
@@ -74,6 +75,7 @@ class Pipeline:
         self.overwrite = overwrite
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.ray_address = ray_address
+        self._ray: Any = None  # the ray module while an engine="ray" run holds a connection
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> Summary:
@@ -88,14 +90,32 @@ class Pipeline:
         journal = Journal(self.output_dir, run_id)
         state = journal.resume(self.output_dir, masker.primary_key())
         summary, rejects = state.summary, state.rejects
+        session: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if self.engine == "ray":
+            from tokenmill.ray_engine import connect
+
+            session = connect(self.ray_address)
+        with session as self._ray:
+            domains = self._write(files, masker, journal, state)
+        summary.shards = sum(len(infos) for infos in domains.values())
+        summary.seconds = time.perf_counter() - start
+        if rejects:
+            _write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
+        write_manifest(self.output_dir, self._manifest(bundle.fingerprint, masker, domains, summary, files))
+        journal.remove()
+        return summary
+
+    def _write(self, files: list[Path], masker: RecordMasker, journal: Journal,
+               state: ResumeState) -> dict[str, list[dict]]:
+        """Consumes every chunk's result in order; returns each domain's published shard infos."""
         writers = {d: self._writer(d, masker, len(infos)) for d, infos in state.published.items()}
         for d, infos in state.published.items():
             writers[d].published = list(infos)  # shards reused from the interrupted run
         bar = _progress_bar(self.progress)
         try:
             for result in self._results(files, state.chunks_done):
-                self._consume(result, masker, writers, summary, rejects, bar, state.skip_rows, journal)
-            domains = {d: w.close() for d, w in writers.items()}
+                self._consume(result, masker, writers, state, bar, journal)
+            return {d: w.close() for d, w in writers.items()}
         except BaseException as err:
             for w in writers.values():
                 w.abort()
@@ -106,13 +126,6 @@ class Pipeline:
         finally:
             if bar is not None:
                 bar.close()
-        summary.shards = sum(len(infos) for infos in domains.values())
-        summary.seconds = time.perf_counter() - start
-        if rejects:
-            _write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
-        write_manifest(self.output_dir, self._manifest(bundle.fingerprint, masker, domains, summary, files))
-        journal.remove()
-        return summary
 
     def _results(self, files: list[Path], chunks_done: int) -> Iterator[ChunkResult]:
         chunks: Iterator[Chunk] = (c for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
@@ -121,50 +134,46 @@ class Pipeline:
         if self.engine == "ray":
             from tokenmill.ray_engine import ray_results
 
-            yield from ray_results(files, args, self.workers, self.ray_address, first_chunk=chunks_done)
+            yield from ray_results(self._ray, files, args, self.workers, first_chunk=chunks_done)
             return
+        workers = self.workers or os.cpu_count() or 1
         first = list(islice(chunks, 2))
-        if self.workers == 1 or len(first) < 2:  # one chunk: starting worker processes costs more
+        if workers == 1 or len(first) < 2:  # one chunk: starting worker processes costs more
             setup_worker(*args)
             for chunk in chain(first, chunks):
                 yield process_chunk(chunk)
             return
         chunks = chain(first, chunks)
         ctx = get_context("spawn")  # safe beside a parent that already runs torch or tokenizer threads
-        with ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=setup_worker, initargs=args) as pool:
+        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=setup_worker, initargs=args) as pool:
             pending: deque[Future[ChunkResult]] = deque()
             for chunk in chunks:
                 pending.append(pool.submit(process_chunk, chunk))
-                if len(pending) >= 2 * self.workers:
+                if len(pending) >= 2 * workers:
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
 
-    def _consume(self, result: ChunkResult, masker: RecordMasker, writers: dict[str, ShardWriter],
-                 summary: Summary, rejects: list[bytes], bar: Any, skip_rows: dict[str, int],
-                 journal: Journal) -> None:
+    def _consume(self, result: ChunkResult, masker: RecordMasker, writers: dict[str, Any],
+                 state: ResumeState, bar: Any, journal: Journal) -> None:
         """Counts a chunk, journals it, then hands its rows to the writers (minus rows already on disk)."""
+        summary, skip_rows = state.summary, state.skip_rows
         errors: list[dict[str, Any]] = []
         for err in result.errors:
             if self.on_error == "raise" and err.reason not in FILTER_REASONS:
                 raise err
             errors.append({"source": err.source, "line": err.line, "field": err.field,
                            "reason": err.reason, "message": err.message, "text": str(err)})
-        dtypes = masker.dtypes()
-        mask_keys = [k for k, t in dtypes.items() if t == "bool"]
-        token_keys = [k for k, t in dtypes.items() if t != "bool" and k not in masker.value_keys()
-                      and k != "position_ids"]
         counts = {"records_read": result.records_read, "records_written": result.records_written,
                   "rows": len(result.rows), "dropped_tokens": result.dropped_tokens,
-                  "tokens": sum(row_tokens(row[k]) for _, row in result.rows for k in token_keys),
-                  "trained_tokens": sum(row_trained(row, mask_keys, token_keys) for _, row in result.rows)}
+                  "tokens": result.tokens, "trained_tokens": result.trained_tokens}
         rows_per_domain: dict[str, int] = {}
         for domain, _ in result.rows:
             rows_per_domain[domain] = rows_per_domain.get(domain, 0) + 1
         journal.append(result.index, rows_per_domain, counts, errors)
         for err_line in errors:
             summary.count_error(err_line["reason"], err_line["text"])
-            rejects.append(orjson.dumps({k: err_line[k] for k in ("source", "line", "field", "reason", "message")}) + b"\n")
+            state.rejects.append(orjson.dumps({k: err_line[k] for k in ("source", "line", "field", "reason", "message")}) + b"\n")
         for name in ("records_read", "records_written", "rows", "dropped_tokens", "tokens", "trained_tokens"):
             setattr(summary, name, getattr(summary, name) + counts[name])
         for domain, row in result.rows:
@@ -176,13 +185,20 @@ class Pipeline:
             writers[domain].add(row)
         if bar is not None:
             bar.update(result.records_read)
-            bar.set_postfix_str(f"{summary.tokens / max(bar.format_dict['elapsed'], 1e-9):,.0f} tok/s")
+            rate = summary.tokens / max(bar.format_dict["elapsed"], 1e-9)
+            bar.set_postfix_str(f"{summary.tokens:,} tokens, {rate:,.0f} tok/s")
 
-    def _writer(self, domain: str, masker: RecordMasker, first_index: int) -> ShardWriter:
+    def _writer(self, domain: str, masker: RecordMasker, first_index: int) -> Any:
+        """The domain's ShardWriter; on Ray, a RayShardWriter (same cut, shards written by tasks)."""
         domain_dir = self.output_dir / domain if domain else self.output_dir
-        return ShardWriter(domain_dir, masker.dtypes(), masker.primary_key(),
-                           self.config.output.max_tokens_per_shard, self.config.output.storage_format,
-                           first_index=first_index)
+        out = self.config.output
+        if self.engine == "ray":
+            from tokenmill.ray_engine import RayShardWriter
+
+            return RayShardWriter(self._ray, domain_dir, masker.dtypes(), out.max_tokens_per_shard,
+                                  out.storage_format, first_index=first_index)
+        return ShardWriter(domain_dir, masker.dtypes(), masker.primary_key(), out.max_tokens_per_shard,
+                           out.storage_format, first_index=first_index)
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, files: list[Path]) -> str:

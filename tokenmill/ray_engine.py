@@ -1,16 +1,22 @@
-"""Ray engine: the pipeline's chunks read, masked and packed on a Ray cluster via Ray Data.
+"""Ray engine: the pipeline's chunks read, masked, packed and written on a Ray cluster.
 
-Used by `Pipeline(engine="ray")` in place of the local process pool. Two Ray Data passes:
-a scan of each input file (record count, positions, read errors) lets the driver cut the
-same chunks as `iter_chunks`; then an actor pool reads and processes each chunk with
-`process_chunk`, and the results come back in chunk order, so the output equals the
-local engine's byte for byte.
+Used by `Pipeline(engine="ray")` in place of the local process pool:
+1. scan (Ray Data, a task per file): record counts, positions and read errors, so that the
+   driver cuts the same chunks as `iter_chunks`;
+2. process (Ray Data `map_batches` on an actor pool that loads the tokenizer once per actor):
+   `process_chunk`, the local engine's own function; the rows stay in the object store and
+   only each chunk's counts reach the driver, in chunk order;
+3. write (Ray tasks): the driver cuts shards with the local writer's rule and a task per shard
+   gathers its rows and writes it; the driver renames finished shards into place in order.
+Same chunks, same code, same cut: the output equals the local engine's byte for byte.
 """
 
 from __future__ import annotations
 
 import codecs
-import itertools
+import collections
+import contextlib
+import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +30,17 @@ import pyarrow.parquet as pq
 from tokenmill.chunks import Chunk, ChunkResult, process_chunk
 from tokenmill.config import PipelineConfig
 from tokenmill.masking import RecordMasker
-from tokenmill.records import Record, RecordError, _open_bytes, read_records
+from tokenmill.records import Record, RecordError, open_bytes, read_records
+from tokenmill.shards import (
+    TMP_MARK,
+    ShardBuffer,
+    ShardCutter,
+    jsonl_line,
+    publish,
+    shard_name,
+    stage_part,
+    stage_shard,
+)
 from tokenmill.templates import load_tokenizer
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
@@ -82,7 +98,7 @@ def _line_starts(path: str, last_line: int) -> np.ndarray:
     """Byte offset of lines 1..last_line in the decompressed stream (split on b"\\n" as read_records)."""
     starts = np.empty(last_line, dtype=np.int64)
     position = 0
-    with _open_bytes(Path(path)) as stream:
+    with open_bytes(Path(path)) as stream:
         for i, raw in enumerate(stream):
             starts[i] = position
             if i + 1 == last_line:
@@ -132,32 +148,67 @@ def _segment(scan: FileScan, first: int, count: int) -> Segment:
     return Segment(scan.path, first, scan.lines[first : first + count].tolist(), offset)
 
 
-def read_chunk(plan: ChunkPlan) -> Chunk:
+def read_chunk(plan: ChunkPlan, reader: SegmentReader | None = None) -> Chunk:
     """The chunk a plan describes, read from the input files (the records `iter_chunks` gives)."""
+    reader = reader or SegmentReader()
     records: list[Record] = []
     for segment in plan.segments:
-        records.extend(_read_segment(segment))
+        records.extend(reader.read(segment))
     return Chunk(plan.index, records, list(plan.read_errors))
 
 
-def _read_segment(segment: Segment) -> Iterator[Record]:
-    path = Path(segment.path)
-    if _is_jsonl(segment.path):
-        yield from _read_jsonl_lines(path, segment)
-    elif segment.path.lower().endswith(".parquet"):
-        yield from _read_parquet_rows(path, segment)
-    else:  # a .json document is parsed whole in any case
-        records = read_records(path, on_error=lambda err: None)
-        yield from itertools.islice(records, segment.first, segment.first + len(segment.lines))
+def work_units(plans: Iterable[ChunkPlan]) -> Iterator[list[ChunkPlan]]:
+    """Consecutive plans grouped so that each unseekable file (.gz, .zst, .json) is read by one
+    unit in one pass: decompressing from the start for every chunk would cost quadratic time."""
+    unit: list[ChunkPlan] = []
+    for plan in plans:
+        if unit and not (
+            plan.segments
+            and unit[-1].segments
+            and plan.segments[0].path == unit[-1].segments[-1].path
+            and not _seekable(plan.segments[0].path)
+        ):
+            yield unit
+            unit = []
+        unit.append(plan)
+    if unit:
+        yield unit
 
 
-def _read_jsonl_lines(path: Path, segment: Segment) -> Iterator[Record]:
-    """Parse exactly the segment's record lines; the scan already proved each is a JSON object."""
-    wanted = segment.lines
-    with _open_bytes(path) as stream:
-        _skip(stream, segment.offset, path)
+class SegmentReader:
+    """Reads segments in file order; an unseekable stream stays open from one segment to the next."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.stream: Any = None
+        self.position = 0  # bytes of the decompressed stream consumed so far
+        self.closer: contextlib.ExitStack | None = None
+        self.document: list[Record] = []  # the records of the open .json document
+
+    def read(self, segment: Segment) -> Iterator[Record]:
+        if _is_jsonl(segment.path):
+            return self._jsonl(segment)
+        if segment.path.lower().endswith(".parquet"):
+            return _read_parquet_rows(Path(segment.path), segment)
+        if self.path != segment.path:  # a .json document is parsed whole, once per unit
+            self.close()
+            self.path = segment.path
+            self.document = list(read_records(Path(segment.path), on_error=lambda err: None))
+        return iter(self.document[segment.first : segment.first + len(segment.lines)])
+
+    def _jsonl(self, segment: Segment) -> Iterator[Record]:
+        path = Path(segment.path)
+        if self.path != segment.path or self.stream is None or self.position > segment.offset:
+            self.close()
+            self.closer = contextlib.ExitStack()
+            self.stream = self.closer.enter_context(open_bytes(path))
+            self.path, self.position = segment.path, 0
+        _skip(self.stream, segment.offset - self.position, segment.offset, path)
+        self.position = segment.offset
+        wanted = segment.lines
         taken = 0
-        for line, raw in enumerate(stream, start=wanted[0]):
+        for line, raw in enumerate(self.stream, start=wanted[0]):
+            self.position += len(raw)
             if line != wanted[taken]:
                 continue
             if line == 1 and raw.startswith(codecs.BOM_UTF8):
@@ -166,9 +217,14 @@ def _read_jsonl_lines(path: Path, segment: Segment) -> Iterator[Record]:
             taken += 1
             if taken == len(wanted):
                 return
-    raise RuntimeError(
-        f"{path}: changed since it was scanned (record at line {wanted[taken]} is gone)"
-    )
+        raise RuntimeError(
+            f"{path}: changed since it was scanned (record at line {wanted[taken]} is gone)"
+        )
+
+    def close(self) -> None:
+        if self.closer is not None:
+            self.closer.close()
+        self.path, self.stream, self.closer, self.document = None, None, None, []
 
 
 def _read_parquet_rows(path: Path, segment: Segment) -> Iterator[Record]:
@@ -193,15 +249,20 @@ def _read_parquet_rows(path: Path, segment: Segment) -> Iterator[Record]:
                         return
 
 
-def _skip(stream: Any, offset: int, path: Path) -> None:
+def _skip(stream: Any, count: int, offset: int, path: Path) -> None:
+    """Moves `count` bytes on, to `offset`: a seek where the stream can, else reading."""
     if stream.seekable():
         stream.seek(offset)
         return
-    while offset > 0:
-        data = stream.read(min(offset, _SKIP_BYTES))
+    while count > 0:
+        data = stream.read(min(count, _SKIP_BYTES))
         if not data:
             raise RuntimeError(f"{path}: shorter than when it was scanned")
-        offset -= len(data)
+        count -= len(data)
+
+
+def _seekable(path: str) -> bool:
+    return path.lower().endswith((".jsonl", ".parquet"))
 
 
 def _is_jsonl(path: str) -> bool:
@@ -223,72 +284,132 @@ def require_ray() -> ModuleType:
     return ray
 
 
+@contextlib.contextmanager
+def connect(address: str | None) -> Iterator[ModuleType]:
+    """Ray for one run: the connection this process already has, else one to `address`, else a
+    local Ray (Ray's own rule: RAY_ADDRESS if set); one this opened is shut down at the end."""
+    ray = require_ray()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, include_dashboard=False if address is None else None)
+    try:
+        yield ray
+    finally:
+        if started:
+            ray.shutdown()
+
+
 class ChunkWorker:
-    """One actor of the pool: loads the tokenizer once, then reads, masks and packs chunks."""
+    """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
         self.masker = RecordMasker(
             PipelineConfig.from_dict(config_data), load_tokenizer(tokenizer_path)
         )
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Plans in, ChunkResults out, as Python-object columns that Ray Data serialises itself."""
-        results = np.empty(len(batch["plan"]), dtype=object)
-        for j, plan in enumerate(batch["plan"]):
-            results[j] = process_chunk(read_chunk(plan), self.masker)
-        return {"index": batch["index"], "result": results}
+    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        """A unit's plans in; one output row per chunk: its index, its counts (`meta`: the
+        ChunkResult with each row replaced by its domain) and its rows. The columns hold Python
+        objects that Ray Data serialises itself; each chunk is its own block."""
+        reader = SegmentReader()
+        try:
+            for unit in batch["unit"]:
+                for plan in unit:
+                    result = process_chunk(read_chunk(plan, reader), self.masker)
+                    rows = ChunkRows([row for _, row in result.rows])
+                    result.rows = [(domain, None) for domain, _ in result.rows]
+                    yield {"index": np.array([plan.index]), "meta": _objects([result]),
+                           "rows": _objects([rows])}
+        finally:
+            reader.close()
+
+
+@dataclass
+class ChunkRows:
+    """A chunk's rows, boxed so that Ray Data keeps them as Python objects: converted to Arrow,
+    a list of arrays (GRPO groups) would come back as an object array."""
+
+    rows: list[dict]
+
+
+def _objects(values: list) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+@dataclass
+class RowRef:
+    """One output row that stays on the cluster: row `item` of the chunk in row `row` of `block`."""
+
+    block: Any  # ray.ObjectRef of a Ray Data block
+    row: int
+    item: int
+    tokens: int  # primary-key tokens, for the shard cut
+
+
+def _block_metas(block: Any) -> list[tuple[int, int, ChunkResult]]:
+    """(row in block, chunk index, meta) of each chunk in a block; runs where the block is."""
+    from ray.data.block import BlockAccessor
+
+    columns = BlockAccessor.for_block(block).to_numpy(["index", "meta"])
+    return [(r, int(i), m) for r, (i, m) in enumerate(zip(columns["index"], columns["meta"]))]
+
+
+def ray_results(
+    ray: ModuleType,
+    files: list[Path],
+    args: tuple[dict, str],
+    workers: int | None,
+    first_chunk: int = 0,
+) -> Iterator[ChunkResult]:
+    """ChunkResults of `files` from chunk `first_chunk` on, in chunk order, computed on Ray;
+    `args` = (config data, tokenizer path), as `setup_worker` takes them. Each result's rows are
+    RowRefs: the rows stay in the object store until a RayShardWriter writes them."""
+    config = PipelineConfig.from_dict(args[0])
+    pre = config.preprocessing
+    plans = (p for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
+             if p.index >= first_chunk)
+    items = [{"first": unit[0].index, "unit": unit} for unit in work_units(plans)]
+    if not items:
+        return
+    size, cpus = _pool_size(ray, workers)
+    results = _ordered(ray.data.from_items(items, override_num_blocks=len(items))).map_batches(
+        ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
+        fn_constructor_args=args,
+        batch_size=1,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=size),
+        num_cpus=cpus,
+    )
+    metas = ray.remote(num_cpus=0)(_block_metas)
+    blocks = ((block, metas.remote(block))
+              for bundle in results.iter_internal_ref_bundles() for block in bundle.block_refs)
+    expected = first_chunk
+    for block, future in _ahead(blocks, 2):
+        for row, index, meta in ray.get(future):
+            if index < expected:  # a block that Ray Data handed over again, in slices
+                continue
+            if index != expected:
+                raise RuntimeError(f"Ray returned chunk {index} where chunk {expected} was due")
+            meta.rows = [(domain, RowRef(block, row, j, tokens))
+                         for j, ((domain, _), tokens) in enumerate(zip(meta.rows, meta.sizes))]
+            expected += 1
+            yield meta
+
+
+def _ahead(items: Iterator[Any], n: int) -> Iterator[Any]:
+    """`items`, drawn `n` ahead of the consumer (so that their remote calls are already running)."""
+    window: collections.deque = collections.deque()
+    for item in items:
+        window.append(item)
+        if len(window) > n:
+            yield window.popleft()
+    yield from window
 
 
 def _scan_row(row: dict[str, Any]) -> dict[str, Any]:
     return {"index": row["index"], "scan": scan_file(row["path"])}
-
-
-def ray_results(
-    files: list[Path],
-    args: tuple[dict, str],
-    workers: int | None,
-    address: str | None,
-    first_chunk: int = 0,
-) -> Iterator[ChunkResult]:
-    """ChunkResults of `files` from chunk `first_chunk` on, in chunk order, computed on Ray;
-    `args` = (config data, tokenizer path), as `setup_worker` takes them.
-
-    Uses the Ray connection this process already has, else connects to `address`, else starts
-    a local Ray (shut down again at the end).
-    """
-    ray = require_ray()
-    config = PipelineConfig.from_dict(args[0])
-    started = not ray.is_initialized()
-    if started and address:
-        ray.init(address=address)
-    elif started:
-        ray.init(include_dashboard=False)
-    try:
-        scans = _scans(ray, files)
-        pre = config.preprocessing
-        plans = plan_chunks(scans, pre.batch_size, pre.max_items)
-        items = [{"index": p.index, "plan": p} for p in plans if p.index >= first_chunk]
-        if not items:
-            return
-        size, cpus = _pool_size(ray, workers)
-        chunks = _ordered(ray.data.from_items(items, override_num_blocks=len(items)))
-        results = chunks.map_batches(
-            ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
-            fn_constructor_args=args,
-            batch_size=1,
-            batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=size),
-            num_cpus=cpus,
-        )
-        for expected, row in enumerate(results.iter_rows(), start=first_chunk):
-            if row["index"] != expected:
-                raise RuntimeError(
-                    f"Ray returned chunk {row['index']} where chunk {expected} was due"
-                )
-            yield row["result"]
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def _scans(ray: ModuleType, files: list[Path]) -> Iterator[FileScan]:
@@ -313,10 +434,117 @@ def _ordered(dataset: Any) -> Any:
 
 def _pool_size(ray: ModuleType, workers: int | None) -> tuple[int, float]:
     """(actors, CPUs per actor): `workers` actors (default: one per cluster CPU but one), sharing
-    the cluster's CPUs so that one CPU's worth stays free for Ray Data's own tasks."""
+    the cluster's CPUs so that one CPU's worth stays free for Ray Data's own tasks and the writes."""
     cpus = float(ray.cluster_resources().get("CPU", 1.0))
     size = workers if workers is not None else max(1, int(cpus) - 1)
     return size, min(1.0, round(cpus / (size + 1), 2))
 
 
-__all__ = ["ray_results", "require_ray", "scan_file", "plan_chunks", "read_chunk"]
+# ---- writing shards on the cluster -------------------------------------------------------
+
+
+def write_rows(
+    final: str, where: list[tuple[int, int, int]], dtypes: dict[str, str], storage_format: str,
+    *blocks: Any,
+) -> tuple[str, dict]:
+    """A Ray task: gathers one shard's rows from the blocks that hold them and writes the shard
+    into its temp place beside `final` (fsynced, checksummed); the driver publishes it."""
+    from ray.data.block import BlockAccessor
+
+    chunks = [BlockAccessor.for_block(b).to_numpy("rows") for b in blocks]
+    records = [chunks[b][row].rows[item] for b, row, item in where]
+    final_path = Path(final)
+    buffer = ShardBuffer(dtypes)
+    for record in records:
+        buffer.check(record)
+        if storage_format != "jsonl":
+            buffer.add(record)
+    if storage_format == "jsonl":
+        lines = [jsonl_line({k: r[k] for k in buffer.keys or []}, buffer.dtypes) for r in records]
+        tmp, extra = stage_part(final_path, lines)
+    else:
+        tmp, _ = stage_shard(final_path, buffer.build(), buffer.dtypes)
+        extra = {}
+    return str(tmp), {"keys": list(buffer.keys or []), **extra}
+
+
+class RayShardWriter:
+    """ShardWriter for rows that stay on the cluster. The driver cuts shards with the same
+    ShardCutter; a Ray task writes each shard's temp copy; the driver renames them into place in
+    index order, so the published shards of a domain are always a prefix (what resume relies on)."""
+
+    def __init__(self, ray: ModuleType, domain_dir: Path, dtypes: dict[str, str],
+                 max_tokens_per_shard: int, storage_format: str = "bin", first_index: int = 0,
+                 in_flight: int = 4):
+        self.ray, self.domain_dir, self.dtypes = ray, Path(domain_dir), dtypes
+        self.storage_format, self.index, self.in_flight = storage_format, first_index, in_flight
+        self.cutter = ShardCutter(max_tokens_per_shard)
+        self.rows: list[RowRef] = []
+        self.pending: collections.deque = collections.deque()  # (name, records, tokens, future)
+        self.written: list[str] = []  # names this writer wrote, whose stray temps it removes
+        self.published: list[dict] = []
+        self.task = ray.remote(num_cpus=0.25, max_retries=3)(write_rows)
+
+    def add(self, row: RowRef) -> None:
+        if self.cutter.close_before(row.tokens):
+            self._submit()
+        self.rows.append(row)
+        if self.cutter.add(row.tokens):
+            self._submit()
+        while self.pending and (len(self.pending) > self.in_flight or self._done(self.pending[0])):
+            self._publish_next()
+
+    def _submit(self) -> None:
+        if not self.rows:
+            return
+        name = shard_name(self.index, self.storage_format)
+        blocks: dict[Any, int] = {}
+        where = [(blocks.setdefault(r.block, len(blocks)), r.row, r.item) for r in self.rows]
+        self.domain_dir.mkdir(parents=True, exist_ok=True)
+        future = self.task.remote(str(self.domain_dir / name), where, self.dtypes,
+                                  self.storage_format, *blocks)
+        self.pending.append((name, len(self.rows), self.cutter.tokens, future))
+        self.written.append(name)
+        self.index += 1
+        self.rows = []
+        self.cutter.reset()
+
+    def _done(self, entry: tuple) -> bool:
+        ready, _ = self.ray.wait([entry[3]], timeout=0)
+        return bool(ready)
+
+    def _publish_next(self) -> None:
+        name, records, tokens, future = self.pending.popleft()
+        try:
+            tmp, extra = self.ray.get(future)
+        except self.ray.exceptions.RayTaskError as err:
+            raise err.as_instanceof_cause() from None
+        publish(Path(tmp), self.domain_dir / name)
+        self.published.append({"name": name, "records": records, "tokens": tokens, **extra})
+
+    def close(self) -> list[dict]:
+        """Writes and publishes the last shards; removes temps left by killed task attempts."""
+        self._submit()
+        while self.pending:
+            self._publish_next()
+        self._remove_temps()
+        return self.published
+
+    def abort(self) -> None:
+        """Cancels the writes in flight; publishes nothing more and removes their temps."""
+        self.rows = []
+        for *_, future in self.pending:
+            self.ray.cancel(future, force=True)
+        if self.pending:
+            self.ray.wait([f for *_, f in self.pending], num_returns=len(self.pending), timeout=30)
+        self.pending.clear()
+        self._remove_temps()
+
+    def _remove_temps(self) -> None:
+        for name in self.written:
+            for path in self.domain_dir.glob(f"{name}{TMP_MARK}*"):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+__all__ = ["ray_results", "require_ray", "connect", "RayShardWriter", "scan_file", "plan_chunks",
+           "read_chunk", "work_units"]

@@ -176,7 +176,7 @@ def _message_string(record: Record, where: str, message: dict, key: str) -> str:
 
 def _read_jsonl(path: Path, on_error: OnError) -> Iterator[Record]:
     source = str(path)
-    with _open_bytes(path) as stream:
+    with open_bytes(path) as stream:
         for line, raw in _numbered_lines(stream, path, on_error):
             if line == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
@@ -213,7 +213,7 @@ def _read_json(path: Path, on_error: OnError) -> Iterator[Record]:
     it is read whole, as orjson has no incremental parser."""
     source = str(path)
     try:
-        with _open_bytes(path) as stream:
+        with open_bytes(path) as stream:
             raw = stream.read()
     except _STREAM_ERRORS as exc:
         _report(_stream_error(path, None, exc), on_error)
@@ -289,7 +289,8 @@ class _ZstdRaw(io.RawIOBase):
 
 
 @contextmanager
-def _open_bytes(path: Path) -> Iterator[IO[bytes]]:
+def open_bytes(path: Path) -> Iterator[IO[bytes]]:
+    """The file's bytes, decompressed by its suffix (.gz, .zst); only a plain file can seek."""
     name = path.name.lower()
     if name.endswith(".gz"):
         with gzip.open(path, "rb") as stream:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenmill.shards import find_shards, read_meta, shard_records
+from tokenmill.shards import find_shards, read_meta, row_tokens, shard_records
 
 FIRST_ERRORS_PER_REASON = 5
 STATE_DIR = ".tokenmill-run"
@@ -67,13 +67,6 @@ class Summary:
         for reason, msgs in sorted(self.first_errors.items()):
             lines += [f"  {reason}: {m}" for m in msgs]
         return "\n".join(lines)
-
-
-def row_tokens(value: Any) -> int:
-    """Tokens of one output value: an array, a list of ints (JSONL) or a list of arrays/lists (groups)."""
-    if isinstance(value, list) and value and not isinstance(value[0], (int, float)):
-        return sum(len(v) for v in value)
-    return len(value)
 
 
 def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:

@@ -80,6 +80,13 @@ def is_list_value(value: Any) -> bool:
     )
 
 
+def row_tokens(value: Any) -> int:
+    """Tokens of one output value: an array, a list of ints (JSONL) or a list of arrays/lists (groups)."""
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float)):
+        return sum(len(v) for v in value)
+    return len(value)
+
+
 class ColumnBuffer:
     """Collects one key's values record by record; build() gives the shard's Column."""
 
@@ -196,7 +203,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish(tmp: Path, final: Path) -> None:
     """Renames a finished temp file/folder into place; never over a published one."""
     if final.exists():
         raise FileExistsError(f"{final} already exists; refusing to overwrite a published shard")
@@ -210,6 +217,19 @@ def _tmp_path(final: Path) -> Path:
 
 def write_shard(shard_dir: Path, columns: dict[str, Column], dtypes: dict[str, str]) -> dict:
     """Writes one shard atomically (temp folder, fsync, meta.json last, rename); returns its meta."""
+    tmp, meta = stage_shard(shard_dir, columns, dtypes)
+    try:
+        publish(tmp, Path(shard_dir))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def stage_shard(
+    shard_dir: Path, columns: dict[str, Column], dtypes: dict[str, str]
+) -> tuple[Path, dict]:
+    """Writes a shard into its temp folder, fsynced and ready to `publish`; returns (temp, meta)."""
     shard_dir = Path(shard_dir)
     counts = {key: len(col.offsets) - 1 for key, col in columns.items() if col.offsets is not None}
     if len(set(counts.values())) > 1:
@@ -243,11 +263,22 @@ def write_shard(shard_dir: Path, columns: dict[str, Column], dtypes: dict[str, s
             meta[key] = entry
         _write(tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
         _fsync_dir(tmp)
-        _publish(tmp, shard_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return meta
+    return tmp, meta
+
+
+def stage_part(part: Path, lines: list[bytes]) -> tuple[Path, dict]:
+    """Writes a JSONL part into its temp file, ready to `publish`; returns (temp, size and checksum)."""
+    data = b"".join(lines)
+    tmp = _tmp_path(Path(part))
+    try:
+        _write(tmp, data)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp, {"nbytes": len(data), "xxh64": xxhash.xxh64(data).hexdigest()}
 
 
 def jsonl_line(record: dict[str, Any], dtypes: dict[str, str]) -> bytes:
@@ -272,11 +303,38 @@ def jsonl_line(record: dict[str, Any], dtypes: dict[str, str]) -> bytes:
     return orjson.dumps(out) + b"\n"
 
 
-class ShardWriter:
-    """Writes the shards of one domain folder, rolling at max_tokens_per_shard tokens of primary_key.
+class ShardCutter:
+    """Where shards end, from token counts alone: a shard closes before a record that would take it
+    past `max_tokens` and as soon as it reaches `max_tokens`, so only a record that alone exceeds
+    the limit gets a shard above it. ShardWriter follows it; the Ray engine plans with it."""
 
-    A shard never exceeds the limit unless one record alone does (it then gets a shard of its own).
-    """
+    def __init__(self, max_tokens: int):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens_per_shard must be >= 1, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.records = self.tokens = 0
+
+    def close_before(self, tokens: int) -> bool:
+        """Whether the open shard must close before a record of `tokens` tokens joins it."""
+        return self.records > 0 and self.tokens + tokens > self.max_tokens
+
+    def add(self, tokens: int) -> bool:
+        """Counts a record in the open shard; True when the shard is now full and must close."""
+        self.records += 1
+        self.tokens += tokens
+        return self.tokens >= self.max_tokens
+
+    def reset(self) -> None:
+        self.records = self.tokens = 0
+
+
+def shard_name(index: int, storage_format: str) -> str:
+    return f"part_{index:05d}.jsonl" if storage_format == "jsonl" else f"shard_{index:05d}"
+
+
+class ShardWriter:
+    """Writes the shards of one domain folder, rolling at max_tokens_per_shard tokens of primary_key
+    (the ShardCutter rule)."""
 
     def __init__(
         self,
@@ -291,17 +349,11 @@ class ShardWriter:
             raise ValueError(
                 f"storage_format {storage_format!r} is not one of {list(STORAGE_FORMATS)}"
             )
-        if max_tokens_per_shard < 1:
-            raise ValueError(f"max_tokens_per_shard must be >= 1, got {max_tokens_per_shard}")
+        self.cutter = ShardCutter(max_tokens_per_shard)
         self.domain_dir, self.primary_key = Path(domain_dir), primary_key
-        self.max_tokens, self.storage_format, self.index = (
-            max_tokens_per_shard,
-            storage_format,
-            first_index,
-        )
+        self.storage_format, self.index = storage_format, first_index
         self.buffer = ShardBuffer(dtypes)
         self.lines: list[bytes] = []  # storage_format "jsonl"
-        self.tokens = 0
         self.published: list[dict] = []
         self.closed = False
 
@@ -313,9 +365,8 @@ class ShardWriter:
             raise ValueError(
                 f"primary key {self.primary_key!r} is not in the record keys {list(record)}"
             )
-        value = record[self.primary_key]
-        tokens = sum(len(v) for v in value) if is_list_value(value) else np.asarray(value).size
-        if self.buffer.records and self.tokens + tokens > self.max_tokens:
+        tokens = row_tokens(record[self.primary_key])
+        if self.cutter.close_before(tokens):
             self._flush()
         if self.storage_format == "jsonl":
             self.buffer.check(record)
@@ -325,40 +376,32 @@ class ShardWriter:
             self.buffer.records += 1
         else:
             self.buffer.add(record)
-        self.tokens += int(tokens)
-        if self.tokens >= self.max_tokens:
+        if self.cutter.add(tokens):
             self._flush()
 
     def _flush(self) -> None:
         if not self.buffer.records:
             return
-        keys = list(self.buffer.keys or [])
-        info: dict[str, Any] = {
-            "name": "",
-            "records": self.buffer.records,
-            "tokens": self.tokens,
-            "keys": keys,
-        }
+        name = shard_name(self.index, self.storage_format)
+        final = self.domain_dir / name
         self.domain_dir.mkdir(parents=True, exist_ok=True)
         if self.storage_format == "jsonl":
-            info["name"] = f"part_{self.index:05d}.jsonl"
-            data = b"".join(self.lines)
-            info.update(nbytes=len(data), xxh64=xxhash.xxh64(data).hexdigest())
-            final = self.domain_dir / info["name"]
-            tmp = _tmp_path(final)
-            try:
-                _write(tmp, data)
-                _publish(tmp, final)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            tmp, extra = stage_part(final, self.lines)
         else:
-            info["name"] = f"shard_{self.index:05d}"
-            write_shard(self.domain_dir / info["name"], self.buffer.build(), self.buffer.dtypes)
+            tmp, _ = stage_shard(final, self.buffer.build(), self.buffer.dtypes)
+            extra = {}
+        info = {"name": name, "records": self.buffer.records, "tokens": self.cutter.tokens,
+                "keys": list(self.buffer.keys or []), **extra}
+        try:
+            publish(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+            raise
         self.published.append(info)
         self.index += 1
         self.buffer.clear()
-        self.lines, self.tokens = [], 0
+        self.lines = []
+        self.cutter.reset()
 
     def close(self) -> list[dict]:
         """Publishes the last shard; returns one info per published shard."""
