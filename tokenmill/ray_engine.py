@@ -382,12 +382,21 @@ def ray_results(
         compute=ray.data.ActorPoolStrategy(size=size),
         num_cpus=cpus,
     )
-    metas = ray.remote(num_cpus=0)(_block_metas)
-    blocks = ((block, metas.remote(block))
+    here = ray.get_runtime_context().get_node_id()
+    remote_metas = ray.remote(num_cpus=0)(_block_metas)
+
+    def metas(block: Any) -> Any:
+        """A chunk's counts read where its block is: on this node, in place (the object store
+        maps it, and only the `meta` column is decoded); on another, by a task there."""
+        where = ray.experimental.get_object_locations([block])[block]["node_ids"]
+        return block if here in where else remote_metas.remote(block)
+
+    blocks = ((block, metas(block))
               for bundle in results.iter_internal_ref_bundles() for block in bundle.block_refs)
     expected = first_chunk
     for block, future in _ahead(blocks, 2):
-        for row, index, meta in ray.get(future):
+        got = ray.get(future)
+        for row, index, meta in got if isinstance(got, list) else _block_metas(got):
             if index < expected:  # a block that Ray Data handed over again, in slices
                 continue
             if index != expected:
