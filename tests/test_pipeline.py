@@ -100,6 +100,21 @@ def test_output_bytes_do_not_depend_on_worker_count(tmp_path):
     assert outs[0] == outs[1] == outs[2]
 
 
+def test_inputs_given_as_urls_give_the_same_shards(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 60)
+    cfg = config("seq", preprocessing={"batch_size": 16}, output={"max_tokens_per_shard": 8_000})
+    fsspec.filesystem("memory").pipe("/pipeline/c4.jsonl", src.read_bytes())
+    Pipeline(cfg, [src], tmp_path / "path", QWEN, workers=1).run()
+    # file:// through spawned workers; memory:// lives in this process only, so inline
+    for url, workers in ((src.as_uri(), 2), ("memory://pipeline", 1)):
+        out = tmp_path / url.split(":")[0]
+        Pipeline(cfg, [url], out, QWEN, workers=workers).run()
+        assert files_of(out) == files_of(tmp_path / "path")
+        assert len(find_shards(out)) >= 3
+        assert read_manifest(out)["inputs"] == [url if url.endswith(".jsonl") else f"{url}/c4.jsonl"]
+
+
 def test_bad_record_stops_the_run_and_leaves_nothing_that_looks_complete(tmp_path):
     lines = lines_of(DATA / "chat_sharegpt_1000.jsonl")[:60]
     lines[50] = '{"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "x"}]}\n'

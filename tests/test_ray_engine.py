@@ -221,6 +221,21 @@ def test_every_input_format_and_bad_records_match_the_local_engine(tmp_path, ray
     assert find_shards(tmp_path / "raise") == [] and read_manifest(tmp_path / "raise") is None
 
 
+def test_inputs_given_as_urls_match_the_local_engine_on_paths(tmp_path, ray_address):
+    files = mixed_inputs(tmp_path / "mixed")
+    cfg = config("sft", batch_size=4, shard_tokens=3_000)
+    Pipeline(cfg, files, tmp_path / "local", QWEN, workers=1, on_error="skip").run()
+    urls = [f.as_uri() for f in files]  # read through fsspec, as s3:// or gs:// would be
+    Pipeline(cfg, urls, tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
+    rejects = (tmp_path / "ray" / "rejects.jsonl").read_text()
+    for f, url in zip(files, urls):
+        rejects = rejects.replace(url, str(f))
+    assert rejects == (tmp_path / "local" / "rejects.jsonl").read_text()
+    (tmp_path / "ray" / "rejects.jsonl").write_text(rejects)
+    assert_same_dataset(tmp_path / "ray", tmp_path / "local")
+    assert read_manifest(tmp_path / "ray")["inputs"] == urls
+
+
 def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
     tmp_path, ray_address, monkeypatch
 ):

@@ -360,3 +360,57 @@ def test_list_inputs_errors(tmp_path):
         list_inputs([good, tmp_path / "dup"])
     with pytest.raises(ValueError, match="unsupported input file"):
         list(read_records(bad))
+
+
+# ---- URLs (fsspec) ----------------------------------------------------------------------------
+
+
+def _every_format(folder: Path) -> None:
+    chat = (DATA / "chat_sharegpt_1000.jsonl").read_bytes().splitlines(keepends=True)
+    _write(folder, "a.jsonl", b"".join(chat[:3]) + b"{bad\n")
+    _write(folder, "b/c.jsonl.gz", gzip.compress(b"".join(chat[3:6]), mtime=0))
+    _write(folder, "b/d.jsonl.zst", zstandard.ZstdCompressor().compress(b"".join(chat[6:9])))
+    _write(folder, "e.json", json.dumps([json.loads(x) for x in chat[9:11]]).encode())
+    table = pa.Table.from_pylist([json.loads(x) for x in chat[11:15]])
+    sink = io.BytesIO()
+    pq.write_table(table, sink, row_group_size=3)
+    _write(folder, "f.parquet", sink.getvalue())
+    _write(folder, "_SUCCESS", b"")
+    _write(folder, "g.jsonl.gz", gzip.compress(b"".join(chat[15:18]), mtime=0)[:-30])  # truncated
+
+
+def _read_all(path) -> tuple[list, list]:
+    errors: list[RecordError] = []
+    records = [(r.source, r.line, r.data) for r in read_records(path, on_error=errors.append)]
+    return records, [(e.source, e.line, e.reason) for e in errors]
+
+
+def test_urls_are_listed_and_read_like_local_paths(tmp_path):
+    fsspec = pytest.importorskip("fsspec")
+    folder = tmp_path / "in"
+    _every_format(folder)
+    memory = fsspec.filesystem("memory")
+    for path in folder.rglob("*"):
+        if path.is_file():
+            memory.pipe(f"/urls/{path.relative_to(folder).as_posix()}", path.read_bytes())
+    local = list_inputs([folder])
+    names = [p.relative_to(folder).as_posix() for p in local]
+    assert names == ["a.jsonl", "b/c.jsonl.gz", "b/d.jsonl.zst", "e.json", "f.parquet", "g.jsonl.gz"]
+    for root in (folder.as_uri(), "memory://urls"):  # fsspec: its local and in-memory filesystems
+        urls = list_inputs([root])
+        assert urls == [f"{root}/{name}" for name in names]
+        for path, url in zip(local, urls):
+            records, errors = _read_all(path)
+            url_records, url_errors = _read_all(url)
+            assert [(line, data) for _, line, data in url_records] == [
+                (line, data) for _, line, data in records
+            ]
+            assert {source for source, _, _ in url_records} <= {url}
+            assert url_errors == [(url, line, reason) for _, line, reason in errors]
+    assert _read_all(local[0])[1] == [(str(local[0]), 4, "bad_json")]
+    assert _read_all(local[-1])[1] == [(str(local[-1]), 3, "truncated_file")]
+    assert list_inputs([f"{folder.as_uri()}/e.json"]) == [f"{folder.as_uri()}/e.json"]
+    with pytest.raises(FileNotFoundError, match="input not found: memory://urls/nope"):
+        list_inputs(["memory://urls/nope"])
+    with pytest.raises(ValueError, match="listed twice"):
+        list_inputs(["memory://urls", "memory://urls/e.json"])

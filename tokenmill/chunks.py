@@ -8,9 +8,8 @@ yields depend only on its records, never on which worker ran it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 from tokenmill.config import PipelineConfig
 from tokenmill.masking import RecordMasker
 from tokenmill.packing import apply_packing, plan_packing, position_ids
-from tokenmill.records import Record, RecordError, get_field, read_records
+from tokenmill.records import InputPath, Record, RecordError, get_field, read_records
 from tokenmill.runlog import row_trained
 from tokenmill.shards import row_tokens
 from tokenmill.templates import load_tokenizer
@@ -49,7 +48,7 @@ class ChunkResult:
     sizes: list[int] = field(default_factory=list)  # primary-key tokens of each row
 
 
-def iter_chunks(files: list[Path], config: PipelineConfig, collect_errors: bool) -> Iterator[Chunk]:
+def iter_chunks(files: Sequence[InputPath], config: PipelineConfig, collect_errors: bool) -> Iterator[Chunk]:
     """Records of all files in order, cut into chunks; read errors travel with their chunk."""
     size = config.preprocessing.batch_size
     limit = config.preprocessing.max_items

@@ -28,7 +28,7 @@ from tokenmill import __version__
 from tokenmill.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, setup_worker
 from tokenmill.config import PipelineConfig
 from tokenmill.masking import FILTER_REASONS, RecordMasker
-from tokenmill.records import RecordError, list_inputs
+from tokenmill.records import InputPath, RecordError, input_size, list_inputs
 from tokenmill.runlog import STATE_DIR, Journal, ResumeState, Summary
 from tokenmill.shards import ShardWriter, natural_key, read_manifest, write_manifest
 from tokenmill.templates import load_tokenizer
@@ -105,7 +105,7 @@ class Pipeline:
         journal.remove()
         return summary
 
-    def _write(self, files: list[Path], masker: RecordMasker, journal: Journal,
+    def _write(self, files: list[InputPath], masker: RecordMasker, journal: Journal,
                state: ResumeState) -> dict[str, list[dict]]:
         """Consumes every chunk's result in order; returns each domain's published shard infos."""
         writers = {d: self._writer(d, masker, len(infos)) for d, infos in state.published.items()}
@@ -127,7 +127,7 @@ class Pipeline:
             if bar is not None:
                 bar.close()
 
-    def _results(self, files: list[Path], chunks_done: int) -> Iterator[ChunkResult]:
+    def _results(self, files: list[InputPath], chunks_done: int) -> Iterator[ChunkResult]:
         chunks: Iterator[Chunk] = (c for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
                                    if c.index >= chunks_done)
         args = (self.config.model_dump(mode="json"), self.tokenizer_path)
@@ -201,8 +201,8 @@ class Pipeline:
                            out.storage_format, first_index=first_index)
 
     # --- output folder -----------------------------------------------------------------------
-    def _run_id(self, tokenizer_fp: str, files: list[Path]) -> str:
-        inputs = [(str(f), f.stat().st_size) for f in files]
+    def _run_id(self, tokenizer_fp: str, files: list[InputPath]) -> str:
+        inputs = [(str(f), input_size(f)) for f in files]
         return _sha256(orjson.dumps([self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]).decode())
 
     def _prepare_output(self, run_id: str) -> Summary | None:
@@ -230,7 +230,7 @@ class Pipeline:
                 part.unlink(missing_ok=True)
 
     def _manifest(self, tokenizer_fp: str, masker: RecordMasker, domains: dict[str, list[dict]],
-                  summary: Summary, files: list[Path]) -> dict:
+                  summary: Summary, files: list[InputPath]) -> dict:
         config_fp = self.config.fingerprint()
         return {
             "format_version": 1,

@@ -17,7 +17,7 @@ import codecs
 import collections
 import contextlib
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -25,12 +25,11 @@ from typing import Any
 
 import numpy as np
 import orjson
-import pyarrow.parquet as pq
 
 from tokenmill.chunks import Chunk, ChunkResult, process_chunk
 from tokenmill.config import PipelineConfig
 from tokenmill.masking import RecordMasker
-from tokenmill.records import Record, RecordError, open_bytes, read_records
+from tokenmill.records import InputPath, Record, RecordError, open_bytes, open_parquet, read_records
 from tokenmill.shards import (
     TMP_MARK,
     ShardBuffer,
@@ -85,7 +84,7 @@ def scan_file(path: str) -> FileScan:
     """Read one file once to count and place its records; bad lines are collected, never raised."""
     lines: list[int] = []
     errors: list[tuple[int, RecordError]] = []
-    for record in read_records(Path(path), on_error=lambda err: errors.append((len(lines), err))):
+    for record in read_records(path, on_error=lambda err: errors.append((len(lines), err))):
         lines.append(record.line)
     line_of = np.asarray(lines, dtype=np.int64)
     offsets = np.zeros(0, dtype=np.int64)
@@ -98,7 +97,7 @@ def _line_starts(path: str, last_line: int) -> np.ndarray:
     """Byte offset of lines 1..last_line in the decompressed stream (split on b"\\n" as read_records)."""
     starts = np.empty(last_line, dtype=np.int64)
     position = 0
-    with open_bytes(Path(path)) as stream:
+    with open_bytes(path) as stream:
         for i, raw in enumerate(stream):
             starts[i] = position
             if i + 1 == last_line:
@@ -189,15 +188,15 @@ class SegmentReader:
         if _is_jsonl(segment.path):
             return self._jsonl(segment)
         if segment.path.lower().endswith(".parquet"):
-            return _read_parquet_rows(Path(segment.path), segment)
+            return _read_parquet_rows(segment)
         if self.path != segment.path:  # a .json document is parsed whole, once per unit
             self.close()
             self.path = segment.path
-            self.document = list(read_records(Path(segment.path), on_error=lambda err: None))
+            self.document = list(read_records(segment.path, on_error=lambda err: None))
         return iter(self.document[segment.first : segment.first + len(segment.lines)])
 
     def _jsonl(self, segment: Segment) -> Iterator[Record]:
-        path = Path(segment.path)
+        path = segment.path
         if self.path != segment.path or self.stream is None or self.position > segment.offset:
             self.close()
             self.closer = contextlib.ExitStack()
@@ -213,7 +212,7 @@ class SegmentReader:
                 continue
             if line == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
-            yield Record(str(path), line, orjson.loads(raw))
+            yield Record(path, line, orjson.loads(raw))
             taken += 1
             if taken == len(wanted):
                 return
@@ -227,9 +226,10 @@ class SegmentReader:
         self.path, self.stream, self.closer, self.document = None, None, None, []
 
 
-def _read_parquet_rows(path: Path, segment: Segment) -> Iterator[Record]:
+def _read_parquet_rows(segment: Segment) -> Iterator[Record]:
     """Rows first..first+n, starting at the row group that holds row `first`."""
-    with pq.ParquetFile(path) as parquet:
+    path = segment.path
+    with open_parquet(path) as parquet:
         group, row = 0, 0
         while (
             group < parquet.num_row_groups
@@ -243,13 +243,13 @@ def _read_parquet_rows(path: Path, segment: Segment) -> Iterator[Record]:
             for data in batch.to_pylist():
                 row += 1
                 if row > segment.first:
-                    yield Record(str(path), row, data)
+                    yield Record(path, row, data)
                     taken += 1
                     if taken == len(segment.lines):
                         return
 
 
-def _skip(stream: Any, count: int, offset: int, path: Path) -> None:
+def _skip(stream: Any, count: int, offset: int, path: str) -> None:
     """Moves `count` bytes on, to `offset`: a seek where the stream can, else reading."""
     if stream.seekable():
         stream.seek(offset)
@@ -358,7 +358,7 @@ def _block_metas(block: Any) -> list[tuple[int, int, ChunkResult]]:
 
 def ray_results(
     ray: ModuleType,
-    files: list[Path],
+    files: Sequence[InputPath],
     args: tuple[dict, str],
     workers: int | None,
     first_chunk: int = 0,
@@ -421,7 +421,7 @@ def _scan_row(row: dict[str, Any]) -> dict[str, Any]:
     return {"index": row["index"], "scan": scan_file(row["path"])}
 
 
-def _scans(ray: ModuleType, files: list[Path]) -> Iterator[FileScan]:
+def _scans(ray: ModuleType, files: Sequence[InputPath]) -> Iterator[FileScan]:
     items = [{"index": i, "path": str(f)} for i, f in enumerate(files)]
     scanned = _ordered(ray.data.from_items(items, override_num_blocks=len(items))).map(_scan_row)
     for expected, row in enumerate(scanned.iter_rows()):

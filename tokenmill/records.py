@@ -64,47 +64,96 @@ class RecordError(ValueError):
 OnError = Callable[[RecordError], None] | None
 
 
-def list_inputs(paths: Sequence[str | Path]) -> list[Path]:
+InputPath = Path | str  # a local path, or the URL of a file on an fsspec filesystem (s3://...)
+
+
+def is_url(path: InputPath) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+def list_inputs(paths: Sequence[str | Path]) -> list[InputPath]:
     """Input files in order: files as given, folders expanded recursively and sorted.
 
     Inside folders, names starting with "." or "_" are skipped (as pyarrow datasets do:
-    `_SUCCESS`, `.DS_Store`); any other file must have a supported suffix.
+    `_SUCCESS`, `.DS_Store`); any other file must have a supported suffix. A URL
+    (`s3://bucket/prefix`, `gs://...`, `file:///...`) is listed and read through fsspec.
     """
-    found: list[Path] = []
+    found: list[InputPath] = []
     for given in paths:
-        path = Path(given)
-        if path.is_dir():
-            files = [
-                p
-                for p in path.rglob("*")
-                if p.is_file() and not any(part[0] in "._" for part in p.relative_to(path).parts)
-            ]
-            if not files:
-                raise ValueError(f"folder {path} holds no input files ({_supported()})")
-            files.sort(key=lambda p: p.relative_to(path).parts)
-        elif path.is_file():
-            files = [path]
-        else:
-            raise FileNotFoundError(f"input not found: {path}")
+        files: Sequence[InputPath] = (
+            _list_url(given)
+            if isinstance(given, str) and is_url(given)
+            else _list_local(Path(given))
+        )
         for file in files:
             _suffix(file)
         found.extend(files)
     if not found:
         raise ValueError(f"no input files given ({_supported()})")
-    seen: set[Path] = set()
+    seen: set[str] = set()
     for file in found:
-        if file.resolve() in seen:
+        key = file if isinstance(file, str) else str(file.resolve())
+        if key in seen:
             raise ValueError(f"input {file} is listed twice; each file must be read once")
-        seen.add(file.resolve())
+        seen.add(key)
     return found
 
 
-def read_records(path: Path, on_error: OnError = None) -> Iterator[Record]:
+def _list_local(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"input not found: {path}")
+    files = [
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part[0] in "._" for part in p.relative_to(path).parts)
+    ]
+    if not files:
+        raise ValueError(f"folder {path} holds no input files ({_supported()})")
+    return sorted(files, key=lambda p: p.relative_to(path).parts)
+
+
+def _list_url(url: str) -> list[InputPath]:
+    fs, root = _filesystem(url)
+    if fs.isfile(root):
+        return [url]
+    if not fs.isdir(root):
+        raise FileNotFoundError(f"input not found: {url}")
+    base = root.rstrip("/")
+    relative = [
+        parts
+        for parts in (p[len(base) + 1 :].split("/") for p in fs.find(root))
+        if not any(part[0] in "._" for part in parts)
+    ]
+    if not relative:
+        raise ValueError(f"folder {url} holds no input files ({_supported()})")
+    return [url.rstrip("/") + "/" + "/".join(parts) for parts in sorted(relative)]
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(f"{url}: reading URLs needs fsspec: pip install fsspec") from None
+    return fsspec.core.url_to_fs(url)
+
+
+def input_size(path: InputPath) -> int:
+    """Bytes of an input file (part of a run's identity)."""
+    if isinstance(path, str) and is_url(path):
+        fs, inner = _filesystem(path)
+        return int(fs.size(inner))
+    return Path(path).stat().st_size
+
+
+def read_records(path: InputPath, on_error: OnError = None) -> Iterator[Record]:
     """Stream the records of one file. Bad input raises, or goes to `on_error` and reading goes on.
 
     A truncated or undecodable file is reported once and ends that file.
     """
-    path = Path(path)
+    if not is_url(path):
+        path = Path(path)
     suffix = _suffix(path)
     if suffix == ".parquet":
         yield from _read_parquet(path, on_error)
@@ -174,7 +223,7 @@ def _message_string(record: Record, where: str, message: dict, key: str) -> str:
 # ---- reading ---------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path, on_error: OnError) -> Iterator[Record]:
+def _read_jsonl(path: InputPath, on_error: OnError) -> Iterator[Record]:
     source = str(path)
     with open_bytes(path) as stream:
         for line, raw in _numbered_lines(stream, path, on_error):
@@ -196,7 +245,7 @@ def _read_jsonl(path: Path, on_error: OnError) -> Iterator[Record]:
 
 
 def _numbered_lines(
-    stream: IO[bytes], path: Path, on_error: OnError
+    stream: IO[bytes], path: InputPath, on_error: OnError
 ) -> Iterator[tuple[int, bytes]]:
     """(line number, raw bytes) pairs; a stream that breaks is reported once and ends the file."""
     line = 0
@@ -208,7 +257,7 @@ def _numbered_lines(
         _report(_stream_error(path, line, exc), on_error)
 
 
-def _read_json(path: Path, on_error: OnError) -> Iterator[Record]:
+def _read_json(path: InputPath, on_error: OnError) -> Iterator[Record]:
     """A .json file is one document, an object or a list of objects (line = 1-based position);
     it is read whole, as orjson has no incremental parser."""
     source = str(path)
@@ -241,12 +290,12 @@ def _read_json(path: Path, on_error: OnError) -> Iterator[Record]:
         _report(RecordError(source, 1, None, message, "not_object"), on_error)
 
 
-def _read_parquet(path: Path, on_error: OnError) -> Iterator[Record]:
+def _read_parquet(path: InputPath, on_error: OnError) -> Iterator[Record]:
     """Rows of a Parquet file, one record batch at a time (line = 1-based row)."""
     source = str(path)
     row = 0
     try:
-        with pq.ParquetFile(path) as parquet:
+        with open_parquet(path) as parquet:
             for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
                 for data in batch.to_pylist():
                     row += 1
@@ -289,18 +338,43 @@ class _ZstdRaw(io.RawIOBase):
 
 
 @contextmanager
-def open_bytes(path: Path) -> Iterator[IO[bytes]]:
+def open_bytes(path: InputPath) -> Iterator[IO[bytes]]:
     """The file's bytes, decompressed by its suffix (.gz, .zst); only a plain file can seek."""
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        with gzip.open(path, "rb") as stream:
-            yield stream  # type: ignore[misc]
-    elif name.endswith(".zst"):
-        with open(path, "rb") as file, io.BufferedReader(_ZstdRaw(file), _CHUNK) as stream:
-            yield stream
+    name = _name(path).lower()
+    with _open_file(path) as file:
+        if name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=file, mode="rb") as stream:
+                yield stream  # type: ignore[misc]
+        elif name.endswith(".zst"):
+            with io.BufferedReader(_ZstdRaw(file), _CHUNK) as stream:
+                yield stream
+        else:
+            yield file
+
+
+@contextmanager
+def open_parquet(path: InputPath) -> Iterator[pq.ParquetFile]:
+    if not is_url(path):
+        with pq.ParquetFile(path) as parquet:
+            yield parquet
+        return
+    with _open_file(path) as file, pq.ParquetFile(file) as parquet:
+        yield parquet
+
+
+@contextmanager
+def _open_file(path: InputPath) -> Iterator[IO[bytes]]:
+    if isinstance(path, str) and is_url(path):
+        fs, inner = _filesystem(path)
+        with fs.open(inner, "rb") as file:
+            yield file
     else:
-        with open(path, "rb") as stream:
-            yield stream
+        with open(path, "rb") as file:
+            yield file
+
+
+def _name(path: InputPath) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
 
 
 # ---- error messages ----------------------------------------------------------------------
@@ -312,12 +386,14 @@ def _report(err: RecordError, on_error: OnError) -> None:
     on_error(err)
 
 
-def _stream_error(path: Path, lines_done: int | None, exc: BaseException) -> RecordError:
+def _stream_error(path: InputPath, lines_done: int | None, exc: BaseException) -> RecordError:
     """A file that cannot be read on; `lines_done` None for a .json document (no lines yet)."""
     after = "" if lines_done is None else f", after line {lines_done}"
     line = 1 if lines_done is None else lines_done + 1
     if isinstance(exc, EOFError):
-        message = f"file ends early{after} (truncated {path.suffix} stream: {exc})"
+        message = (
+            f"file ends early{after} (truncated .{_name(path).rsplit('.', 1)[-1]} stream: {exc})"
+        )
         return RecordError(str(path), line, None, message, "truncated_file")
     return RecordError(str(path), line, None, f"cannot read the file{after}: {exc}", "corrupt_file")
 
@@ -362,8 +438,8 @@ def _utf8_error(raw: bytes) -> tuple[int, str]:
     return 1, "not UTF-8 text"
 
 
-def _suffix(path: Path) -> str:
-    name = path.name.lower()
+def _suffix(path: InputPath) -> str:
+    name = _name(path).lower()
     for suffix in INPUT_SUFFIXES:
         if name.endswith(suffix):
             return suffix
