@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("preprocess", help="records -> shards")
-    p.add_argument("inputs", nargs="+", help=".jsonl/.json(.gz/.zst)/.parquet files or folders")
+    p.add_argument("inputs", nargs="+",
+                   help=".jsonl/.json(.gz/.zst)/.parquet files or folders, or URLs (s3://..., via fsspec)")
     p.add_argument("-o", "--output", required=True, help="output dataset folder")
     p.add_argument("-c", "--config", help="PipelineConfig (.json or .yaml)")
     p.add_argument("--type", choices=list(DEFAULT_CONFIGS),

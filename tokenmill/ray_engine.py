@@ -66,7 +66,7 @@ class Segment:
 
     path: str
     first: int
-    lines: list[int]
+    lines: np.ndarray  # int64, 8 bytes a record: the driver holds every plan
     offset: int
 
 
@@ -144,7 +144,7 @@ def plan_chunks(
 
 def _segment(scan: FileScan, first: int, count: int) -> Segment:
     offset = int(scan.offsets[first]) if len(scan.offsets) else -1
-    return Segment(scan.path, first, scan.lines[first : first + count].tolist(), offset)
+    return Segment(scan.path, first, scan.lines[first : first + count].copy(), offset)
 
 
 def read_chunk(plan: ChunkPlan, reader: SegmentReader | None = None) -> Chunk:
@@ -206,7 +206,7 @@ class SegmentReader:
         self.position = segment.offset
         wanted = segment.lines
         taken = 0
-        for line, raw in enumerate(self.stream, start=wanted[0]):
+        for line, raw in enumerate(self.stream, start=int(wanted[0])):
             self.position += len(raw)
             if line != wanted[taken]:
                 continue
@@ -368,26 +368,32 @@ def ray_results(
     RowRefs: the rows stay in the object store until a RayShardWriter writes them."""
     config = PipelineConfig.from_dict(args[0])
     pre = config.preprocessing
-    plans = (p for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
-             if p.index >= first_chunk)
-    items = [{"first": unit[0].index, "unit": unit} for unit in work_units(plans)]
-    if not items:
-        return
-    size, cpus = _pool_size(ray, workers)
-    results = _ordered(ray.data.from_items(items, override_num_blocks=len(items))).map_batches(
-        ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
-        fn_constructor_args=args,
-        batch_size=1,
-        batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=size),
-        num_cpus=cpus,
-    )
+    with _data_context(ray):
+        plans = (p for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
+                 if p.index >= first_chunk)
+        items = [{"first": unit[0].index, "unit": unit} for unit in work_units(plans)]
+        if not items:
+            return
+        size, cpus = _pool_size(ray, workers)
+        results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
+            fn_constructor_args=args,
+            batch_size=1,
+            batch_format="numpy",
+            compute=ray.data.ActorPoolStrategy(size=size),
+            num_cpus=cpus,
+        )
+        yield from _in_order(ray, results, first_chunk)
+
+
+def _in_order(ray: ModuleType, results: Any, first_chunk: int) -> Iterator[ChunkResult]:
+    """Each chunk's counts, checked to come once each and in order, its rows as RowRefs."""
     here = ray.get_runtime_context().get_node_id()
     remote_metas = ray.remote(num_cpus=0)(_block_metas)
 
     def metas(block: Any) -> Any:
-        """A chunk's counts read where its block is: on this node, in place (the object store
-        maps it, and only the `meta` column is decoded); on another, by a task there."""
+        """A block's counts read where it is: on this node in place (the object store maps it,
+        and only the `meta` column is decoded); on another node by a task there."""
         where = ray.experimental.get_object_locations([block])[block]["node_ids"]
         return block if here in where else remote_metas.remote(block)
 
@@ -423,7 +429,7 @@ def _scan_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def _scans(ray: ModuleType, files: Sequence[InputPath]) -> Iterator[FileScan]:
     items = [{"index": i, "path": str(f)} for i, f in enumerate(files)]
-    scanned = _ordered(ray.data.from_items(items, override_num_blocks=len(items))).map(_scan_row)
+    scanned = ray.data.from_items(items, override_num_blocks=len(items)).map(_scan_row)
     for expected, row in enumerate(scanned.iter_rows()):
         if row["index"] != expected:
             raise RuntimeError(
@@ -432,13 +438,24 @@ def _scans(ray: ModuleType, files: Sequence[InputPath]) -> Iterator[FileScan]:
         yield row["scan"]
 
 
-def _ordered(dataset: Any) -> Any:
-    """A dataset whose results come back in input order, without Ray Data's own progress output."""
-    context = dataset.context
-    context.execution_options.preserve_order = True
-    context.enable_progress_bars = False
-    context.print_on_execution_start = False
-    return dataset
+@contextlib.contextmanager
+def _data_context(ray: ModuleType) -> Iterator[None]:
+    """Ray Data set up for this run, then restored: results in input order, no progress output
+    of its own, Python-object columns without a warning (ours are objects on purpose)."""
+    context = ray.data.DataContext.get_current()
+    options = context.execution_options
+    wanted = {"enable_progress_bars": False, "print_on_execution_start": False,
+              "enable_fallback_to_arrow_object_ext_type": True}
+    saved = {name: getattr(context, name) for name in wanted}, options.preserve_order
+    for name, value in wanted.items():
+        setattr(context, name, value)
+    options.preserve_order = True
+    try:
+        yield
+    finally:
+        for name, value in saved[0].items():
+            setattr(context, name, value)
+        options.preserve_order = saved[1]
 
 
 def _pool_size(ray: ModuleType, workers: int | None) -> tuple[int, float]:
