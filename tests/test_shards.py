@@ -149,8 +149,10 @@ def test_jsonl_storage_format(tmp_path):
     assert verify_dataset(tmp_path) == []
     with open(tmp_path / "part_00001.jsonl", "ab") as f:
         f.write(b"\n")
+    (tmp_path / "part_00002.jsonl").write_bytes((tmp_path / "part_00000.jsonl").read_bytes())
     assert verify_dataset(tmp_path) == [
-        f"part_00001.jsonl: {infos[1]['nbytes'] + 1} bytes, manifest.json says {infos[1]['nbytes']}: truncated"
+        f"part_00001.jsonl: {infos[1]['nbytes'] + 1} bytes, manifest.json says {infos[1]['nbytes']}: truncated",
+        "part_00002.jsonl: part not listed in manifest.json",
     ]
 
 

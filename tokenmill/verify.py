@@ -146,6 +146,12 @@ def _verify_manifest(root: Path, manifest: dict, found: dict[str, dict]) -> list
                             f"{rel}: manifest.json says {info[what]} {what}, meta.json has {have}"
                         )
     problems += [f"{rel}: shard not listed in manifest.json" for rel in found if rel not in listed]
+    parts = sorted(p.relative_to(root) for p in root.rglob("part_*.jsonl") if p.is_file())
+    problems += [
+        f"{rel.as_posix()}: part not listed in manifest.json"
+        for rel in parts
+        if not is_tmp(rel) and rel.as_posix() not in listed
+    ]
     return problems
 
 
