@@ -148,12 +148,53 @@ def test_work_units_read_each_unseekable_file_in_one_pass(tmp_path, monkeypatch)
         got += [chunk_view(read_chunk(plan, reader)) for plan in unit]
         reader.close()
     assert got == expected
-    # b.jsonl.gz (7 records) and c.jsonl.zst (9) span several chunks each, yet each is opened once
-    assert opened.count("b.jsonl.gz") == 1 and opened.count("c.jsonl.zst") == 1
-    assert opened.count("a.jsonl") == 4  # seekable: one open (and seek) per chunk of its 7 records
-    spans = [{s.path for p in unit for s in p.segments} for unit in units]
-    for name in ("b.jsonl.gz", "c.jsonl.zst", "d.json"):
-        assert sum(any(path.endswith(name) for path in span) for span in spans) == 1
+    # b.jsonl.gz (7 records) and c.jsonl.zst (9 lines) span several chunks each, yet each is read
+    # in one pass: a's last chunk ends in b, so that unit follows b; c starts on a chunk boundary
+    assert {name: opened.count(name) for name in set(opened)} == {
+        "a.jsonl": 4,  # seekable: one open (and seek) per chunk of its 7 records
+        "b.jsonl.gz": 1,
+        "c.jsonl.zst": 1,
+    }
+
+
+def test_work_units_scale_out_over_many_compressed_files(tmp_path, monkeypatch):
+    chat = lines_of(DATA / "chat_sharegpt_1000.jsonl")
+    files = []
+    for i in range(12):  # 5 records each, chunks of 3: every file but a few ends mid-chunk
+        files.append(tmp_path / f"{i:02d}.jsonl.gz")
+        files[-1].write_bytes(gzip.compress("".join(chat[5 * i : 5 * i + 5]).encode(), mtime=0))
+    scans = [scan_file(str(f)) for f in files]
+    opened: list[str] = []
+    open_bytes = ray_engine.open_bytes
+    monkeypatch.setattr(
+        ray_engine, "open_bytes", lambda path: opened.append(Path(path).name) or open_bytes(path)
+    )
+    units = list(ray_engine.work_units(plan_chunks(scans, 3, None)))
+    assert len(units) >= len(files)  # one unit per file at least, not one for the whole chain
+    got = []
+    for unit in units:
+        reader = ray_engine.SegmentReader()
+        got += [chunk_view(read_chunk(plan, reader)) for plan in unit]
+        reader.close()
+    cfg = PipelineConfig.from_dict(
+        {"preprocessing": {"batch_size": 3}, "input": {"sections": [{"field": "text"}]}}
+    )
+    assert got == [chunk_view(c) for c in iter_chunks(files, cfg, collect_errors=True)]
+    assert max(opened.count(f.name) for f in files) == 2  # its head in one unit, its rest in one
+
+
+def test_a_file_changed_after_its_scan_raises_instead_of_losing_records(tmp_path):
+    files = mixed_inputs(tmp_path / "mixed")
+    scans = [scan_file(str(f)) for f in files]
+    plans = list(plan_chunks(scans, 100, None))
+    assert len(read_chunk(plans[0]).records) == 39
+    (tmp_path / "mixed" / "d.json").write_text("[]")
+    with pytest.raises(RuntimeError, match=r"d\.json: changed since it was scanned"):
+        read_chunk(plans[0])
+    files[3].write_text(json.dumps([{"messages": []}] * 5 + [7]))
+    pq.write_table(pa.Table.from_pylist([{"messages": []}] * 3), files[4])
+    with pytest.raises(RuntimeError, match=r"e\.parquet: changed since it was scanned"):
+        read_chunk(plans[0])
 
 
 def test_scan_places_every_record_of_a_compressed_file(tmp_path):
@@ -164,6 +205,19 @@ def test_scan_places_every_record_of_a_compressed_file(tmp_path):
     starts = [0] + [i + 1 for i, b in enumerate(raw) if b == ord("\n")][:-1]
     assert scan.offsets.tolist() == starts[:7]
     assert [(before, err.reason, err.line) for before, err in scan.errors] == [(7, "not_object", 8)]
+
+
+@pytest.mark.parametrize(
+    ("cpus", "workers", "expected"),
+    [(2, None, (1, 1.0)), (2, 2, (2, 0.5)), (2, 8, (8, 0.12)), (16, 64, (64, 0.23)),
+     (16, None, (15, 1.0)), (1, None, (1, 0.5)), (96, 8, (8, 1.0))],
+)  # fmt: skip
+def test_the_actor_pool_always_leaves_a_cpu_for_the_shard_writes(cpus, workers, expected):
+    size, share = ray_engine.pool_size(cpus, workers)
+    assert (size, share) == expected
+    assert cpus - size * share >= min(1.0, cpus / 2) - 1e-9
+    with pytest.raises(ValueError, match="workers=300 is more than a Ray cluster of 2 CPUs"):
+        ray_engine.pool_size(2, 300)
 
 
 def test_without_ray_the_message_says_how_to_install(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import chain, islice
 from multiprocessing import get_context
@@ -61,8 +61,9 @@ class Pipeline:
             raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
         self.config = config
         self.inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
-        self.output_dir = Path(output_dir)
-        self.tokenizer_path = str(tokenizer_path)
+        # absolute: Ray workers and tools run from other folders than the one the run started in
+        self.output_dir = Path(output_dir).absolute()
+        self.tokenizer_path = str(Path(tokenizer_path).absolute())
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers  # None: every local core, or every cluster CPU but one (Ray)
@@ -113,8 +114,10 @@ class Pipeline:
             writers[d].published = list(infos)  # shards reused from the interrupted run
         bar = _progress_bar(self.progress)
         try:
-            for result in self._results(files, state.chunks_done):
-                self._consume(result, masker, writers, state, bar, journal)
+            # closing: on an error the engine stops now (Ray: its actor pool), not at garbage collection
+            with contextlib.closing(self._results(files, state.chunks_done)) as results:
+                for result in results:
+                    self._consume(result, masker, writers, state, bar, journal)
             return {d: w.close() for d, w in writers.items()}
         except BaseException as err:
             for w in writers.values():
@@ -127,7 +130,7 @@ class Pipeline:
             if bar is not None:
                 bar.close()
 
-    def _results(self, files: list[InputPath], chunks_done: int) -> Iterator[ChunkResult]:
+    def _results(self, files: list[InputPath], chunks_done: int) -> Generator[ChunkResult, None, None]:
         chunks: Iterator[Chunk] = (c for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
                                    if c.index >= chunks_done)
         args = (self.config.model_dump(mode="json"), self.tokenizer_path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import collections
 import contextlib
+import math
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -148,27 +149,36 @@ def _segment(scan: FileScan, first: int, count: int) -> Segment:
 
 
 def read_chunk(plan: ChunkPlan, reader: SegmentReader | None = None) -> Chunk:
-    """The chunk a plan describes, read from the input files (the records `iter_chunks` gives)."""
+    """The chunk a plan describes, read from the input files (the records `iter_chunks` gives);
+    a file that no longer holds the records its scan found raises: none is silently lost."""
     reader = reader or SegmentReader()
     records: list[Record] = []
     for segment in plan.segments:
-        records.extend(reader.read(segment))
+        got = list(reader.read(segment))
+        if [r.line for r in got] != segment.lines.tolist():
+            raise RuntimeError(
+                f"{segment.path}: changed since it was scanned (records {segment.first + 1}.."
+                f"{segment.first + len(segment.lines)} are not the ones found then)"
+            )
+        records.extend(got)
     return Chunk(plan.index, records, list(plan.read_errors))
 
 
 def work_units(plans: Iterable[ChunkPlan]) -> Iterator[list[ChunkPlan]]:
-    """Consecutive plans grouped so that each unseekable file (.gz, .zst, .json) is read by one
-    unit in one pass: decompressing from the start for every chunk would cost quadratic time."""
+    """Consecutive plans grouped so that an unseekable file (.gz, .zst, .json) is read in one pass:
+    decompressing from the start for every chunk would cost quadratic time. A unit follows one
+    such file, the one its first plan ends in; the next file starts a new unit (which reads past
+    the part of it that the last plan took: one prefix per file, not one per chunk)."""
     unit: list[ChunkPlan] = []
+    follows: str | None = None
     for plan in plans:
-        if unit and not (
-            plan.segments
-            and unit[-1].segments
-            and plan.segments[0].path == unit[-1].segments[-1].path
-            and not _seekable(plan.segments[0].path)
-        ):
+        first = plan.segments[0].path if plan.segments else None
+        if unit and not (first is not None and first == follows):
             yield unit
             unit = []
+        if not unit:
+            last = plan.segments[-1].path if plan.segments else None
+            follows = last if last is not None and not _seekable(last) else None
         unit.append(plan)
     if unit:
         yield unit
@@ -371,10 +381,11 @@ def ray_results(
     with _data_context(ray):
         plans = (p for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
                  if p.index >= first_chunk)
-        items = [{"first": unit[0].index, "unit": unit} for unit in work_units(plans)]
-        if not items:
+        units = list(work_units(plans))
+        if not units:
             return
-        size, cpus = _pool_size(ray, workers)
+        items = [{"first": unit[0].index, "unit": unit} for unit in units]
+        size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
         results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
             fn_constructor_args=args,
@@ -383,23 +394,28 @@ def ray_results(
             compute=ray.data.ActorPoolStrategy(size=size),
             num_cpus=cpus,
         )
-        yield from _in_order(ray, results, first_chunk)
+        end = first_chunk + sum(len(unit) for unit in units)
+        yield from _in_order(ray, results, first_chunk, end)
 
 
-def _in_order(ray: ModuleType, results: Any, first_chunk: int) -> Iterator[ChunkResult]:
-    """Each chunk's counts, checked to come once each and in order, its rows as RowRefs."""
+def _in_order(ray: ModuleType, results: Any, first: int, end: int) -> Iterator[ChunkResult]:
+    """The counts of chunks first..end-1, checked to come once each and in order, their rows
+    as RowRefs."""
     here = ray.get_runtime_context().get_node_id()
     remote_metas = ray.remote(num_cpus=0)(_block_metas)
 
     def metas(block: Any) -> Any:
         """A block's counts read where it is: on this node in place (the object store maps it,
-        and only the `meta` column is decoded); on another node by a task there."""
-        where = ray.experimental.get_object_locations([block])[block]["node_ids"]
+        and only the `meta` column is decoded); elsewhere, or if unknown, by a task there."""
+        try:
+            where = ray.experimental.get_object_locations([block])[block]["node_ids"]
+        except (AttributeError, KeyError):  # Ray Client drivers have no object directory
+            where = []
         return block if here in where else remote_metas.remote(block)
 
     blocks = ((block, metas(block))
               for bundle in results.iter_internal_ref_bundles() for block in bundle.block_refs)
-    expected = first_chunk
+    expected = first
     for block, future in _ahead(blocks, 2):
         got = ray.get(future)
         for row, index, meta in got if isinstance(got, list) else _block_metas(got):
@@ -411,6 +427,8 @@ def _in_order(ray: ModuleType, results: Any, first_chunk: int) -> Iterator[Chunk
                          for j, ((domain, _), tokens) in enumerate(zip(meta.rows, meta.sizes))]
             expected += 1
             yield meta
+    if expected != end:
+        raise RuntimeError(f"Ray Data ended after chunk {expected - 1} of {first}..{end - 1}")
 
 
 def _ahead(items: Iterator[Any], n: int) -> Iterator[Any]:
@@ -458,12 +476,17 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         options.preserve_order = saved[1]
 
 
-def _pool_size(ray: ModuleType, workers: int | None) -> tuple[int, float]:
-    """(actors, CPUs per actor): `workers` actors (default: one per cluster CPU but one), sharing
-    the cluster's CPUs so that one CPU's worth stays free for Ray Data's own tasks and the writes."""
-    cpus = float(ray.cluster_resources().get("CPU", 1.0))
-    size = workers if workers is not None else max(1, int(cpus) - 1)
-    return size, min(1.0, round(cpus / (size + 1), 2))
+def pool_size(cpus: float, workers: int | None) -> tuple[int, float]:
+    """(actors, CPUs per actor): one CPU (half the cluster if it has less than two) stays free
+    for the shard writes (0.25 each) and Ray Data's own tasks; the actors share the rest, at
+    most one each (rounded down, so that reservation always holds: else a write could wait
+    for a CPU forever while the pool waits for the driver)."""
+    free = min(1.0, cpus / 2)
+    size = workers if workers is not None else max(1, int(cpus - free))
+    share = math.floor(100 * (cpus - free) / size) / 100
+    if share < 0.01:
+        raise ValueError(f"workers={size} is more than a Ray cluster of {cpus:g} CPUs can run")
+    return size, min(1.0, share)
 
 
 # ---- writing shards on the cluster -------------------------------------------------------
@@ -517,12 +540,14 @@ class RayShardWriter:
         self.rows.append(row)
         if self.cutter.add(row.tokens):
             self._submit()
-        while self.pending and (len(self.pending) > self.in_flight or self._done(self.pending[0])):
-            self._publish_next()
 
     def _submit(self) -> None:
+        """Starts the write of the open shard, once the done ones are published and fewer than
+        `in_flight` writes are running."""
         if not self.rows:
             return
+        while self.pending and (len(self.pending) >= self.in_flight or self._done(self.pending[0])):
+            self._publish_next()
         name = shard_name(self.index, self.storage_format)
         blocks: dict[Any, int] = {}
         where = [(blocks.setdefault(r.block, len(blocks)), r.row, r.item) for r in self.rows]

@@ -100,6 +100,7 @@ def list_inputs(paths: Sequence[str | Path]) -> list[InputPath]:
 
 
 def _list_local(path: Path) -> list[Path]:
+    path = path.absolute()  # the same file for every process that reads it, wherever it runs
     if path.is_file():
         return [path]
     if not path.is_dir():
@@ -124,7 +125,7 @@ def _list_url(url: str) -> list[InputPath]:
     relative = [
         parts
         for parts in (p[len(base) + 1 :].split("/") for p in fs.find(root))
-        if not any(part[0] in "._" for part in parts)
+        if not any(not part or part[0] in "._" for part in parts)  # "" from a key like a//b
     ]
     if not relative:
         raise ValueError(f"folder {url} holds no input files ({_supported()})")
@@ -374,7 +375,8 @@ def _open_file(path: InputPath) -> Iterator[IO[bytes]]:
 
 
 def _name(path: InputPath) -> str:
-    return str(path).rstrip("/").rsplit("/", 1)[-1]
+    text = str(path).split("?", 1)[0] if is_url(path) else str(path)  # https://.../x.jsonl?sig=...
+    return text.rstrip("/").rsplit("/", 1)[-1]
 
 
 # ---- error messages ----------------------------------------------------------------------
