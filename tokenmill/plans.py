@@ -1,0 +1,255 @@
+"""Plans: where each chunk's records lie in the input files, so a worker elsewhere reads exactly them.
+
+The Ray engine's first half, with no Ray in it: `scan_file` places one file's records,
+`plan_chunks` cuts the chunks `iter_chunks` would cut, `work_units` groups them so that an
+unseekable file is read in one pass, and `read_chunk` reads a plan back into its Chunk.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from tokenmill.chunks import Chunk
+from tokenmill.records import Record, RecordError, open_bytes, open_parquet, read_records
+
+_SKIP_BYTES = 1 << 20
+
+
+@dataclass
+class FileScan:
+    """Where one file's records are: each one's line (or position) and, for JSONL, the byte
+    offset of its line in the decompressed stream; each read error with the records before it."""
+
+    path: str
+    lines: np.ndarray
+    offsets: np.ndarray
+    errors: list[tuple[int, RecordError]]
+
+
+@dataclass
+class Segment:
+    """Records number `first` .. `first + len(lines) - 1` (0-based, in read order) of one file."""
+
+    path: str
+    first: int
+    lines: np.ndarray  # int64, 8 bytes a record: the driver holds every plan
+    offset: int
+
+
+@dataclass
+class ChunkPlan:
+    """What a worker needs to rebuild chunk `index` without the driver reading any record."""
+
+    index: int
+    segments: list[Segment] = field(default_factory=list)
+    read_errors: list[RecordError] = field(default_factory=list)
+    size: int = 0
+
+
+def scan_file(path: str) -> FileScan:
+    """Read one file once to count and place its records; bad lines are collected, never raised."""
+    lines: list[int] = []
+    errors: list[tuple[int, RecordError]] = []
+    for record in read_records(path, on_error=lambda err: errors.append((len(lines), err))):
+        lines.append(record.line)
+    line_of = np.asarray(lines, dtype=np.int64)
+    offsets = np.zeros(0, dtype=np.int64)
+    if _is_jsonl(path) and lines:
+        offsets = _line_starts(path, lines[-1])[line_of - 1]
+    return FileScan(path, line_of, offsets, errors)
+
+
+def _line_starts(path: str, last_line: int) -> np.ndarray:
+    """Byte offset of lines 1..last_line in the decompressed stream (split on b"\\n" as read_records)."""
+    starts = np.empty(last_line, dtype=np.int64)
+    position = 0
+    with open_bytes(path) as stream:
+        for i, raw in enumerate(stream):
+            starts[i] = position
+            if i + 1 == last_line:
+                break
+            position += len(raw)
+    return starts
+
+
+def plan_chunks(
+    scans: Iterable[FileScan], batch_size: int, max_items: int | None
+) -> Iterator[ChunkPlan]:
+    """Cut the scanned records into the chunks `iter_chunks` cuts: `batch_size` records each, in
+    file then line order, a read error in the chunk that was filling when it was met."""
+    plan = ChunkPlan(0)
+    seen = 0
+    for scan in scans:
+        count = len(scan.lines) if max_items is None else min(len(scan.lines), max_items - seen)
+        stops = max_items is not None and seen + count >= max_items
+        # iter_chunks stops reading right after the last record it takes: later errors are never met
+        errors = [(before, err) for before, err in scan.errors if before < count or not stops]
+        done = e = 0
+        while True:
+            take = min(count - done, batch_size - plan.size)
+            if take:
+                plan.segments.append(_segment(scan, done, take))
+                plan.size += take
+                done += take
+            while e < len(errors) and (
+                errors[e][0] < done or (errors[e][0] == done and plan.size < batch_size)
+            ):
+                plan.read_errors.append(errors[e][1])
+                e += 1
+            if plan.size == batch_size:
+                yield plan
+                plan = ChunkPlan(plan.index + 1)
+            elif done == count:
+                break
+        seen += count
+        if stops:
+            break
+    if plan.size or plan.read_errors:
+        yield plan
+
+
+def _segment(scan: FileScan, first: int, count: int) -> Segment:
+    offset = int(scan.offsets[first]) if len(scan.offsets) else -1
+    return Segment(scan.path, first, scan.lines[first : first + count].copy(), offset)
+
+
+def read_chunk(plan: ChunkPlan, reader: SegmentReader | None = None) -> Chunk:
+    """The chunk a plan describes, read from the input files (the records `iter_chunks` gives);
+    a file that no longer holds the records its scan found raises: none is silently lost."""
+    reader = reader or SegmentReader()
+    records: list[Record] = []
+    for segment in plan.segments:
+        got = list(reader.read(segment))
+        if [r.line for r in got] != segment.lines.tolist():
+            raise RuntimeError(
+                f"{segment.path}: changed since it was scanned (records {segment.first + 1}.."
+                f"{segment.first + len(segment.lines)} are not the ones found then)"
+            )
+        records.extend(got)
+    return Chunk(plan.index, records, list(plan.read_errors))
+
+
+def work_units(plans: Iterable[ChunkPlan]) -> Iterator[list[ChunkPlan]]:
+    """Consecutive plans grouped so that an unseekable file (.gz, .zst, .json) is read in one pass:
+    decompressing from the start for every chunk would cost quadratic time. A unit follows one
+    such file, the one its first plan ends in; the next file starts a new unit (which reads past
+    the part of it that the last plan took: one prefix per file, not one per chunk)."""
+    unit: list[ChunkPlan] = []
+    follows: str | None = None
+    for plan in plans:
+        first = plan.segments[0].path if plan.segments else None
+        if unit and not (first is not None and first == follows):
+            yield unit
+            unit = []
+        if not unit:
+            last = plan.segments[-1].path if plan.segments else None
+            follows = last if last is not None and not _seekable(last) else None
+        unit.append(plan)
+    if unit:
+        yield unit
+
+
+class SegmentReader:
+    """Reads segments in file order; an unseekable stream stays open from one segment to the next."""
+
+    def __init__(self) -> None:
+        self.path: str | None = None
+        self.stream: Any = None
+        self.position = 0  # bytes of the decompressed stream consumed so far
+        self.closer: contextlib.ExitStack | None = None
+        self.document: list[Record] = []  # the records of the open .json document
+
+    def read(self, segment: Segment) -> Iterator[Record]:
+        if _is_jsonl(segment.path):
+            return self._jsonl(segment)
+        if segment.path.lower().endswith(".parquet"):
+            return _read_parquet_rows(segment)
+        if self.path != segment.path:  # a .json document is parsed whole, once per unit
+            self.close()
+            self.path = segment.path
+            self.document = list(read_records(segment.path, on_error=lambda err: None))
+        return iter(self.document[segment.first : segment.first + len(segment.lines)])
+
+    def _jsonl(self, segment: Segment) -> Iterator[Record]:
+        path = segment.path
+        if self.path != segment.path or self.stream is None or self.position > segment.offset:
+            self.close()
+            self.closer = contextlib.ExitStack()
+            self.stream = self.closer.enter_context(open_bytes(path))
+            self.path, self.position = segment.path, 0
+        _skip(self.stream, segment.offset - self.position, segment.offset, path)
+        self.position = segment.offset
+        wanted = segment.lines
+        taken = 0
+        for line, raw in enumerate(self.stream, start=int(wanted[0])):
+            self.position += len(raw)
+            if line != wanted[taken]:
+                continue
+            if line == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            yield Record(path, line, orjson.loads(raw))
+            taken += 1
+            if taken == len(wanted):
+                return
+        raise RuntimeError(
+            f"{path}: changed since it was scanned (record at line {wanted[taken]} is gone)"
+        )
+
+    def close(self) -> None:
+        if self.closer is not None:
+            self.closer.close()
+        self.path, self.stream, self.closer, self.document = None, None, None, []
+
+
+def _read_parquet_rows(segment: Segment) -> Iterator[Record]:
+    """Rows first..first+n, starting at the row group that holds row `first`."""
+    path = segment.path
+    with open_parquet(path) as parquet:
+        group, row = 0, 0
+        while (
+            group < parquet.num_row_groups
+            and row + parquet.metadata.row_group(group).num_rows <= segment.first
+        ):
+            row += parquet.metadata.row_group(group).num_rows
+            group += 1
+        groups = list(range(group, parquet.num_row_groups))
+        taken = 0
+        for batch in parquet.iter_batches(batch_size=1024, row_groups=groups):
+            for data in batch.to_pylist():
+                row += 1
+                if row > segment.first:
+                    yield Record(path, row, data)
+                    taken += 1
+                    if taken == len(segment.lines):
+                        return
+
+
+def _skip(stream: Any, count: int, offset: int, path: str) -> None:
+    """Moves `count` bytes on, to `offset`: a seek where the stream can, else reading."""
+    if stream.seekable():
+        stream.seek(offset)
+        return
+    while count > 0:
+        data = stream.read(min(count, _SKIP_BYTES))
+        if not data:
+            raise RuntimeError(f"{path}: shorter than when it was scanned")
+        count -= len(data)
+
+
+def _seekable(path: str) -> bool:
+    return path.lower().endswith((".jsonl", ".parquet"))
+
+
+def _is_jsonl(path: str) -> bool:
+    return path.lower().endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))
+
+
+__all__ = ["FileScan", "Segment", "ChunkPlan", "scan_file", "plan_chunks", "work_units", "read_chunk",
+           "SegmentReader"]
