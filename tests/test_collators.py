@@ -212,6 +212,18 @@ def test_packed_splits_windows_at_stored_position_restarts_and_pads():
         PackedCollator(pad_to=4)([window, other])
 
 
+def test_packed_splits_where_a_bfd_split_remainder_follows_another_document():
+    # a window across two stored rows: the first ends with a document at positions 0..2, the
+    # next starts with the remainder (positions 5, 6) of a document that bfd_split cut: three
+    # documents, not two, although no position restarts at 0 between the first two
+    window = {"input_ids": L(1, 2, 3, 4, 5, 6), "target_ids": L(2, 3, 4, 5, 6, 7),
+              "position_ids": L(0, 1, 2, 5, 6, 0)}  # fmt: skip
+    batch = PackedCollator()([window])
+    assert batch["cu_seqlens"].tolist() == [0, 3, 5, 6]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0]]
+    assert batch["max_seqlen"] == 3
+
+
 class _Items(Dataset):
     """Variable-length sft-, dpo- and grpo-shaped items, deterministic in the index."""
 

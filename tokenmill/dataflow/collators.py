@@ -187,7 +187,8 @@ class PackedCollator(BatchCollator):
     attention: `cu_seqlens` (int32, document starts plus T) and `max_seqlen` as flash-attn
     varlen kernels take them, `position_ids` restarting at 0 for every document, and
     `num_tokens` (real tokens). A document ends at each sample's end and, when samples carry
-    `position_ids`, where those restart at 0 (packed shards). `pad_to=N` pads the row to N
+    `position_ids`, wherever those do not go on by one (packed shards: a restart at 0, or the
+    remainder of a document that bfd_split cut, which continues its positions in another row). `pad_to=N` pads the row to N
     tokens as one extra segment, for static shapes; efficiency is `num_tokens / N`."""
 
     def __init__(self, pad_id: int = 0, label_pad_id: int = -100, pad_to: int | None = None):
@@ -204,8 +205,11 @@ class PackedCollator(BatchCollator):
         for s in samples:
             starts.append(offset)
             if "position_ids" in s and len(s["position_ids"]):
-                restarts = torch.nonzero(s["position_ids"][1:] == 0).flatten() + 1
-                starts.extend((restarts + offset).tolist())
+                # a document starts wherever positions do not go on by one: a restart at 0, or
+                # a bfd_split remainder (s, s+1, ...) that follows another document's end
+                positions = s["position_ids"]
+                breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
+                starts.extend((breaks + offset).tolist())
             offset += len(s["input_ids"])
         num_tokens = offset
         if self.pad_to is not None and num_tokens > self.pad_to:
