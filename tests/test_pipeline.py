@@ -115,6 +115,20 @@ def test_inputs_given_as_urls_give_the_same_shards(tmp_path):
         assert read_manifest(out)["inputs"] == [url if url.endswith(".jsonl") else f"{url}/c4.jsonl"]
 
 
+def test_an_input_changed_in_place_is_not_taken_for_the_finished_run(tmp_path):
+    src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 5)
+    cfg = config("seq")
+    first = Pipeline(cfg, [src], tmp_path / "out", QWEN, workers=1).run()
+    again = Pipeline(cfg, [src], tmp_path / "out", QWEN, workers=1).run()  # same job: done
+    assert again.records_read == first.records_read == 5
+    text, before = src.read_text(), src.stat()
+    src.write_text(text.replace("a", "b", 1))  # same size, other content
+    os.utime(src, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # on a coarse-clock fs too
+    assert len(src.read_text()) == len(text)
+    with pytest.raises(FileExistsError, match="holds other data"):
+        Pipeline(cfg, [src], tmp_path / "out", QWEN, workers=1).run()
+
+
 def test_bad_record_stops_the_run_and_leaves_nothing_that_looks_complete(tmp_path):
     lines = lines_of(DATA / "chat_sharegpt_1000.jsonl")[:60]
     lines[50] = '{"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "x"}]}\n'

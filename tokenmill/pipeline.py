@@ -28,7 +28,7 @@ from tokenmill import __version__
 from tokenmill.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, setup_worker
 from tokenmill.config import PipelineConfig
 from tokenmill.masking import FILTER_REASONS, RecordMasker
-from tokenmill.records import InputPath, RecordError, input_size, list_inputs
+from tokenmill.records import InputPath, RecordError, input_identity, list_inputs
 from tokenmill.runlog import STATE_DIR, Journal, ResumeState, Summary
 from tokenmill.shards import ShardWriter, natural_key, read_manifest, write_manifest
 from tokenmill.templates import load_tokenizer
@@ -205,7 +205,7 @@ class Pipeline:
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, files: list[InputPath]) -> str:
-        inputs = [(str(f), input_size(f)) for f in files]
+        inputs = [(str(f), *input_identity(f)) for f in files]
         return _sha256(orjson.dumps([self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]).decode())
 
     def _prepare_output(self, run_id: str) -> Summary | None:

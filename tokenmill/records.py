@@ -140,12 +140,16 @@ def _filesystem(url: str) -> tuple[Any, str]:
     return fsspec.core.url_to_fs(url)
 
 
-def input_size(path: InputPath) -> int:
-    """Bytes of an input file (part of a run's identity)."""
+def input_identity(path: InputPath) -> tuple[int, str]:
+    """(bytes, modification stamp) of an input file: part of a run's identity, so that a file
+    changed in place, even to the same size, is not resumed as if it were the same."""
     if isinstance(path, str) and is_url(path):
         fs, inner = _filesystem(path)
-        return int(fs.size(inner))
-    return Path(path).stat().st_size
+        info = fs.info(inner)
+        stamps = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated")
+        return int(info["size"]), next((str(info[k]) for k in stamps if info.get(k)), "")
+    stat = Path(path).stat()
+    return stat.st_size, str(stat.st_mtime_ns)
 
 
 def read_records(path: InputPath, on_error: OnError = None) -> Iterator[Record]:
