@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--type", choices=list(DEFAULT_CONFIGS),
                    help="use the built-in config of a training type instead of --config")
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer folder")
-    p.add_argument("--workers", type=int, default=None, help="worker processes (default: all cores)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes (default: all cores); with --engine ray, actors (default: cluster CPUs - 1)")
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise")
     p.add_argument("--engine", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None)
