@@ -261,6 +261,12 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     proc.wait()
     assert read_manifest(out) is None and (out / "shard_00003").exists()
     mtime = (out / "shard_00000" / "sequence.bin").stat().st_mtime_ns
+    # an input touched since the crash is another job: refused, and the message says why
+    stamp = src.stat()
+    os.utime(src, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
+    with pytest.raises(FileExistsError, match=rf"another job: {src} changed since \(bytes"):
+        Pipeline(data, [src], out, QWEN, workers=1, on_error="skip").run()
+    os.utime(src, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # back as it was: resumes
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (out / "shard_00000" / "sequence.bin").stat().st_mtime_ns == mtime  # reused, not rewritten

@@ -133,7 +133,7 @@ def train(dataset_dir: Path, work: Path, steps: int, stop_at: int, num_workers: 
                 optimizer.step()
                 losses.append(loss.item())
             seen.append(batch["sample_index"])
-            if (step + 1) % max(1, steps // 10) == 0:
+            if (step + 1) % max(1, steps // 10) == 0 and losses:
                 log(f"  step {step + 1:>4}  loss {np.mean(losses[-max(1, steps // 10):]):.3f}")
         return losses
 

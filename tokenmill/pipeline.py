@@ -84,11 +84,12 @@ class Pipeline:
         files = list_inputs(self.inputs)
         bundle = load_tokenizer(self.tokenizer_path)
         masker = RecordMasker(self.config, bundle)  # validates that the tokenizer suits the config
-        run_id = self._run_id(bundle.fingerprint, files)
-        done = self._prepare_output(run_id)
+        inputs = [[str(f), *input_identity(f)] for f in files]  # read once: the run's own view
+        run_id = self._run_id(bundle.fingerprint, inputs)
+        done = self._prepare_output(run_id, inputs)
         if done is not None:
             return done
-        journal = Journal(self.output_dir, run_id)
+        journal = Journal(self.output_dir, run_id, inputs)
         state = journal.resume(self.output_dir, masker.primary_key())
         summary, rejects = state.summary, state.rejects
         session: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -102,7 +103,7 @@ class Pipeline:
         summary.seconds = time.perf_counter() - start
         if rejects:
             _write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
-        write_manifest(self.output_dir, self._manifest(bundle.fingerprint, masker, domains, summary, files))
+        write_manifest(self.output_dir, self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id))
         journal.remove()
         return summary
 
@@ -204,11 +205,10 @@ class Pipeline:
                            out.storage_format, first_index=first_index)
 
     # --- output folder -----------------------------------------------------------------------
-    def _run_id(self, tokenizer_fp: str, files: list[InputPath]) -> str:
-        inputs = [(str(f), *input_identity(f)) for f in files]
+    def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:
         return _sha256(orjson.dumps([self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]).decode())
 
-    def _prepare_output(self, run_id: str) -> Summary | None:
+    def _prepare_output(self, run_id: str, inputs: list[list]) -> Summary | None:
         """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""
         out = self.output_dir
         if self.overwrite and out.exists():
@@ -222,7 +222,9 @@ class Pipeline:
             return Summary(**manifest["summary"])  # the same job already finished: nothing to do
         if manifest is None and Journal.run_id_of(out) == run_id:
             return None  # an interrupted run of this same job: resume it
-        raise FileExistsError(f"{out} holds other data; pass overwrite=True (--overwrite) to replace it")
+        changed = Journal.changed_inputs(out, inputs) if manifest is None else []
+        why = f" (an interrupted run of another job: {'; '.join(changed)})" if changed else ""
+        raise FileExistsError(f"{out} holds other data{why}; pass overwrite=True (--overwrite) to replace it")
 
     def _remove_published(self, writers: dict[str, ShardWriter]) -> None:
         for domain in writers:
@@ -233,7 +235,7 @@ class Pipeline:
                 part.unlink(missing_ok=True)
 
     def _manifest(self, tokenizer_fp: str, masker: RecordMasker, domains: dict[str, list[dict]],
-                  summary: Summary, files: list[InputPath]) -> dict:
+                  summary: Summary, files: list[InputPath], run_id: str) -> dict:
         config_fp = self.config.fingerprint()
         return {
             "format_version": 1,
@@ -242,7 +244,7 @@ class Pipeline:
             "tokenizer_fingerprint": tokenizer_fp,
             "config_fingerprint": config_fp,
             "tokenizer_path": self.tokenizer_path,
-            "run_id": self._run_id(tokenizer_fp, files),
+            "run_id": run_id,
             "config": self.config.model_dump(mode="json"),
             "keys": masker.dtypes(),
             "primary_key": masker.primary_key(),

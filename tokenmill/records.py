@@ -142,11 +142,16 @@ def _filesystem(url: str) -> tuple[Any, str]:
 
 def input_identity(path: InputPath) -> tuple[int, str]:
     """(bytes, modification stamp) of an input file: part of a run's identity, so that a file
-    changed in place, even to the same size, is not resumed as if it were the same."""
+    rewritten since an interrupted run is not resumed as if it were the same (as far as its
+    filesystem's stamps tell: mtime in ns where the filesystem keeps them, else the ETag or
+    last-modified time of the object)."""
     if isinstance(path, str) and is_url(path):
         fs, inner = _filesystem(path)
         info = fs.info(inner)
-        stamps = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "updated")
+        if info.get("size") is None:
+            raise ValueError(f"{path}: its filesystem does not report its size; cannot read it")
+        stamps = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified",
+                  "Last-Modified", "updated")  # fmt: skip
         return int(info["size"]), next((str(info[k]) for k in stamps if info.get(k)), "")
     stat = Path(path).stat()
     return stat.st_size, str(stat.st_mtime_ns)

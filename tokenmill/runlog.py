@@ -92,12 +92,13 @@ class ResumeState:
 class Journal:
     """Append-only log of consumed chunks in OUT/.tokenmill-run/, removed when the manifest lands."""
 
-    def __init__(self, output_dir: Path, run_id: str):
+    def __init__(self, output_dir: Path, run_id: str, inputs: list[list] | None = None):
         self.dir = Path(output_dir) / STATE_DIR
         self.path = self.dir / "journal.jsonl"
         self.dir.mkdir(parents=True, exist_ok=True)
         id_file = self.dir / "run_id"
         if not id_file.exists():
+            (self.dir / "inputs.json").write_bytes(orjson.dumps(inputs or []))
             id_file.write_text(run_id)
         self._file = open(self.path, "ab")
 
@@ -105,6 +106,22 @@ class Journal:
     def run_id_of(output_dir: Path) -> str | None:
         path = Path(output_dir) / STATE_DIR / "run_id"
         return path.read_text() if path.exists() else None
+
+    @staticmethod
+    def changed_inputs(output_dir: Path, inputs: list[list]) -> list[str]:
+        """What differs between the inputs (path, bytes, stamp) of the interrupted run in
+        output_dir and `inputs`, in words; [] if that run left no list."""
+        path = Path(output_dir) / STATE_DIR / "inputs.json"
+        if not path.exists():
+            return []
+        before = {row[0]: row[1:] for row in orjson.loads(path.read_bytes())}
+        now = {row[0]: row[1:] for row in inputs}
+        changed = [f"{name} changed since (bytes {before[name][0]} -> {now[name][0]}, stamp "
+                   f"{before[name][1]} -> {now[name][1]})" for name in now
+                   if name in before and before[name] != now[name]]
+        changed += [f"{name} is new" for name in now if name not in before]
+        changed += [f"{name} is gone" for name in before if name not in now]
+        return changed or ["same inputs; the config, tokenizer or --on-error differ"]
 
     def append(self, chunk: int, rows: dict[str, int], counts: dict[str, int], errors: list[dict]) -> None:
         line = {"chunk": chunk, "rows": rows, "counts": counts, "errors": errors}
