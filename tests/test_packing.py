@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tokenmill.packing import (
     PACKING_STRATEGIES,
     POSITION_IDS_MODES,
+    _remainder_after_its_pieces,
     apply_packing,
     plan_packing,
     position_ids,
@@ -165,7 +166,10 @@ def test_every_kept_token_is_placed_once_within_budget(
 def test_best_fit_matches_the_plain_reference(inputs: tuple[list[int], int], strategy: str) -> None:
     lengths, max_len = inputs
     rows, _ = plan_packing(lengths, max_len, strategy)
-    assert rows == reference_best_fit(lengths, max_len, split=strategy == "bfd_split")
+    reference = reference_best_fit(lengths, max_len, split=strategy == "bfd_split")
+    if strategy == "bfd_split":  # the same rows, one document's full rows moved (tested below)
+        reference = _remainder_after_its_pieces(reference, max_len)
+    assert rows == reference
 
 
 @settings(deadline=None)
@@ -288,6 +292,28 @@ def test_position_ids_unknown_mode_lists_the_valid_ones() -> None:
     assert POSITION_IDS_MODES == ("none", "doc_reset", "continuous")
     with pytest.raises(ValueError, match=r"'reset'.*\[none, doc_reset, continuous\]"):
         position_ids([(0, 0, 2)], "reset")
+
+
+def test_bfd_split_puts_a_remainder_right_after_its_own_full_pieces() -> None:
+    # 13 and 10 tokens in rows of 8: doc 0's remainder opens the first non-full row, so doc
+    # 0's full row comes last among the full ones; else doc 1's full row (positions 0..7)
+    # would be followed by doc 0's remainder (positions 8..12), as if it went on
+    rows, _ = plan_packing([13, 10], 8, "bfd_split")
+    assert rows == [[(1, 0, 8)], [(0, 0, 8)], [(0, 8, 13), (1, 8, 10)]]
+
+
+@settings(deadline=None)
+@given(packing_inputs())
+def test_bfd_split_positions_alone_tell_documents_apart(inputs: tuple[list[int], int]) -> None:
+    # What PackedCollator relies on: across the stream of rows, wherever doc_reset positions
+    # go on by one, the document is the same one (a split document may go on into the next row)
+    lengths, max_len = inputs
+    rows, _ = plan_packing(lengths, max_len, "bfd_split")
+    docs = [d for row in rows for d, s, e in row for _ in range(s, e)]
+    positions = [p for row in rows for p in position_ids(row, "doc_reset").tolist()]  # type: ignore[union-attr]
+    for i in range(1, len(docs)):
+        if positions[i] == positions[i - 1] + 1:
+            assert docs[i] == docs[i - 1], (i, rows)
 
 
 def test_doc_reset_continues_a_document_split_across_rows() -> None:

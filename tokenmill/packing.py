@@ -30,7 +30,10 @@ def plan_packing(
     - simple: documents in input order, a new row when the next one does not fit.
     - bfd: best-fit decreasing over whole documents.
     - bfd_split: bfd, but a document over `max_len` is cut into `max_len` pieces
-      (each its own row) plus a remainder packed by best fit; nothing is dropped.
+      (each its own row) plus a remainder packed by best fit; nothing is dropped. The
+      rows of full pieces come first, and those of the document whose remainder opens
+      the next row come last among them, so that in the stream of rows, doc_reset
+      positions alone tell documents apart (what PackedCollator relies on).
     simple and bfd keep the first `max_len` tokens of a longer document, alone in
     its row, and count the rest as dropped. Zero-length documents get no piece and
     no row: an empty row would be a record without tokens downstream.
@@ -47,7 +50,8 @@ def plan_packing(
     max_len = int(max_len)
     sizes = _as_lengths(lengths)
     if strategy == "bfd_split":
-        return _best_fit(_split_pieces(sizes, max_len), max_len), 0
+        rows = _best_fit(_split_pieces(sizes, max_len), max_len)
+        return _remainder_after_its_pieces(rows, max_len), 0
     dropped = sum(n - max_len for n in sizes if n > max_len)
     pieces = [(i, 0, min(n, max_len)) for i, n in enumerate(sizes) if n > 0]
     if strategy == "simple":
@@ -134,6 +138,25 @@ def _split_pieces(sizes: list[int], max_len: int) -> list[Piece]:
         elif n > 0:
             pieces.append((i, 0, n))
     return pieces
+
+
+def _remainder_after_its_pieces(rows: list[list[Piece]], max_len: int) -> list[list[Piece]]:
+    """bfd_split's rows with the full rows of the document whose remainder opens the first
+    other row moved just before it. Otherwise that remainder (positions k*max_len...) could
+    follow another document's k-th full piece (positions ...k*max_len-1) and, positions going
+    on by one across the row boundary, read as its continuation. Nowhere else can positions
+    go on by one from one document to another: full rows start at 0 or continue their own
+    document, and a remainder or short document never ends at a multiple of max_len."""
+    first_other = next((i for i, row in enumerate(rows) if row[0][2] - row[0][1] < max_len), None)
+    if first_other is None or rows[first_other][0][1] == 0:
+        return rows
+    doc = rows[first_other][0][0]
+    full = rows[:first_other]
+    return (
+        [row for row in full if row[0][0] != doc]
+        + [row for row in full if row[0][0] == doc]
+        + rows[first_other:]
+    )
 
 
 def _next_fit(pieces: list[Piece], max_len: int) -> list[list[Piece]]:

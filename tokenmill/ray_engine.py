@@ -82,8 +82,9 @@ class ChunkWorker:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         """A unit's plans in; one output row per chunk: its index, its counts (`meta`: the
-        ChunkResult with each row replaced by its domain) and its rows. The columns hold Python
-        objects that Ray Data serialises itself; each chunk is its own block."""
+        ChunkResult with each row replaced by its domain) and its rows, yielded chunk by chunk
+        (Ray Data may put several in one block). The columns hold Python objects that Ray Data
+        serialises itself."""
         reader = SegmentReader()
         try:
             for unit in batch["unit"]:
@@ -355,8 +356,12 @@ class RayShardWriter:
         self._remove_temps()
 
     def _remove_temps(self) -> None:
-        for name in self.written:
-            for path in self.domain_dir.glob(f"{name}{TMP_MARK}*"):
+        """Temps of this writer's shards (one listing of the folder, whatever the shard count)."""
+        names = set(self.written)
+        if not self.domain_dir.is_dir():
+            return
+        for path in self.domain_dir.glob(f"*{TMP_MARK}*"):
+            if path.name.split(TMP_MARK)[0] in names:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 

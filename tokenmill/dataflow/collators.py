@@ -189,9 +189,8 @@ class PackedCollator(BatchCollator):
     `num_tokens` (real tokens). A document ends at each sample's end and, when samples carry
     `position_ids`, wherever those do not go on by one (packed shards: a restart at 0, or the
     remainder of a document that bfd_split cut, which continues its positions in another row).
-    Positions cannot tell one case apart: a window that crosses from a row ending with one
-    document's k-th full piece into a row starting with another's remainder after k full
-    pieces sees them go on by one, and keeps the two as one segment. `pad_to=N` pads the row to N
+    In shards the pipeline writes, positions that go on by one always stay in one document
+    (bfd_split orders its rows for it; see `plan_packing`), so this split is exact there. `pad_to=N` pads the row to N
     tokens as one extra segment, for static shapes; efficiency is `num_tokens / N`."""
 
     def __init__(self, pad_id: int = 0, label_pad_id: int = -100, pad_to: int | None = None):
