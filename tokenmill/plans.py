@@ -54,29 +54,19 @@ class ChunkPlan:
 
 
 def scan_file(path: str) -> FileScan:
-    """Read one file once to count and place its records; bad lines are collected, never raised."""
+    """Read one file once to count and place its records (JSONL: also their byte offsets, in the
+    same pass); bad lines are collected, never raised."""
     lines: list[int] = []
+    starts: list[int] = []
     errors: list[tuple[int, RecordError]] = []
-    for record in read_records(path, on_error=lambda err: errors.append((len(lines), err))):
+
+    def on_error(err: RecordError) -> None:
+        errors.append((len(lines), err))  # with the count of records before it
+
+    for record in read_records(path, on_error, starts if _is_jsonl(path) else None):
         lines.append(record.line)
     line_of = np.asarray(lines, dtype=np.int64)
-    offsets = np.zeros(0, dtype=np.int64)
-    if _is_jsonl(path) and lines:
-        offsets = _line_starts(path, lines[-1])[line_of - 1]
-    return FileScan(path, line_of, offsets, errors)
-
-
-def _line_starts(path: str, last_line: int) -> np.ndarray:
-    """Byte offset of lines 1..last_line in the decompressed stream (split on b"\\n" as read_records)."""
-    starts = np.empty(last_line, dtype=np.int64)
-    position = 0
-    with open_bytes(path) as stream:
-        for i, raw in enumerate(stream):
-            starts[i] = position
-            if i + 1 == last_line:
-                break
-            position += len(raw)
-    return starts
+    return FileScan(path, line_of, np.asarray(starts, dtype=np.int64), errors)
 
 
 def plan_chunks(

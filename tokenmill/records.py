@@ -157,10 +157,14 @@ def input_identity(path: InputPath) -> tuple[int, str]:
     return stat.st_size, str(stat.st_mtime_ns)
 
 
-def read_records(path: InputPath, on_error: OnError = None) -> Iterator[Record]:
+def read_records(
+    path: InputPath, on_error: OnError = None, offsets: list[int] | None = None
+) -> Iterator[Record]:
     """Stream the records of one file. Bad input raises, or goes to `on_error` and reading goes on.
 
-    A truncated or undecodable file is reported once and ends that file.
+    A truncated or undecodable file is reported once and ends that file. For JSONL, `offsets`
+    (if given) gets the byte offset of each record's line in the decompressed stream, so that
+    a reader elsewhere can seek to it (the Ray engine's scan).
     """
     if not is_url(path):
         path = Path(path)
@@ -168,7 +172,7 @@ def read_records(path: InputPath, on_error: OnError = None) -> Iterator[Record]:
     if suffix == ".parquet":
         yield from _read_parquet(path, on_error)
     elif suffix.startswith(".jsonl"):
-        yield from _read_jsonl(path, on_error)
+        yield from _read_jsonl(path, on_error, offsets)
     else:
         yield from _read_json(path, on_error)
 
@@ -233,10 +237,14 @@ def _message_string(record: Record, where: str, message: dict, key: str) -> str:
 # ---- reading ---------------------------------------------------------------------------
 
 
-def _read_jsonl(path: InputPath, on_error: OnError) -> Iterator[Record]:
+def _read_jsonl(
+    path: InputPath, on_error: OnError, offsets: list[int] | None = None
+) -> Iterator[Record]:
     source = str(path)
+    position = 0
     with open_bytes(path) as stream:
         for line, raw in _numbered_lines(stream, path, on_error):
+            start, position = position, position + len(raw)
             if line == 1 and raw.startswith(codecs.BOM_UTF8):
                 raw = raw[len(codecs.BOM_UTF8) :]
             if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
@@ -251,6 +259,8 @@ def _read_jsonl(path: InputPath, on_error: OnError) -> Iterator[Record]:
                 message = f"expected a JSON object, got {_type_name(data)}"
                 _report(RecordError(source, line, None, message, "not_object"), on_error)
                 continue
+            if offsets is not None:
+                offsets.append(start)
             yield Record(source, line, data)
 
 
