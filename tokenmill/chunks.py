@@ -111,8 +111,8 @@ def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResu
     result = ChunkResult(chunk.index, read, written, rows, errors, dropped)
     dtypes = masker.dtypes()
     mask_keys = [k for k, t in dtypes.items() if t == "bool"]
-    token_keys = [k for k, t in dtypes.items()
-                  if t != "bool" and k not in masker.value_keys() and k != "position_ids"]
+    values = masker.value_keys()
+    token_keys = [k for k, t in dtypes.items() if t != "bool" and k not in values and k != "position_ids"]
     primary = masker.primary_key()
     result.tokens = sum(row_tokens(row[k]) for _, row in rows for k in token_keys)
     result.trained_tokens = sum(row_trained(row, mask_keys, token_keys) for _, row in rows)

@@ -199,8 +199,8 @@ class Pipeline:
         if self.engine == "ray":
             from tokenmill.ray_engine import RayShardWriter
 
-            return RayShardWriter(self._ray, domain_dir, masker.dtypes(), out.max_tokens_per_shard,
-                                  out.storage_format, first_index=first_index)
+            return RayShardWriter(self._ray, domain_dir, masker.dtypes(), masker.primary_key(),
+                                  out.max_tokens_per_shard, out.storage_format, first_index=first_index)
         return ShardWriter(domain_dir, masker.dtypes(), masker.primary_key(), out.max_tokens_per_shard,
                            out.storage_format, first_index=first_index)
 

@@ -17,7 +17,14 @@ import numpy as np
 import orjson
 
 from tokenmill.chunks import Chunk
-from tokenmill.records import Record, RecordError, open_bytes, open_parquet, read_records
+from tokenmill.records import (
+    Record,
+    RecordError,
+    input_suffix,
+    open_bytes,
+    open_parquet,
+    read_records,
+)
 
 _SKIP_BYTES = 1 << 20
 
@@ -159,7 +166,7 @@ class SegmentReader:
     def read(self, segment: Segment) -> Iterator[Record]:
         if _is_jsonl(segment.path):
             return self._jsonl(segment)
-        if segment.path.lower().endswith(".parquet"):
+        if input_suffix(segment.path) == ".parquet":
             return _read_parquet_rows(segment)
         if self.path != segment.path:  # a .json document is parsed whole, once per unit
             self.close()
@@ -234,11 +241,11 @@ def _skip(stream: Any, count: int, offset: int, path: str) -> None:
 
 
 def _seekable(path: str) -> bool:
-    return path.lower().endswith((".jsonl", ".parquet"))
+    return input_suffix(path) in (".jsonl", ".parquet")
 
 
 def _is_jsonl(path: str) -> bool:
-    return path.lower().endswith((".jsonl", ".jsonl.gz", ".jsonl.zst"))
+    return input_suffix(path).startswith(".jsonl")
 
 
 __all__ = ["FileScan", "Segment", "ChunkPlan", "scan_file", "plan_chunks", "work_units", "read_chunk",

@@ -30,16 +30,7 @@ from tokenmill.config import PipelineConfig
 from tokenmill.masking import RecordMasker
 from tokenmill.plans import FileScan, SegmentReader, plan_chunks, read_chunk, scan_file, work_units
 from tokenmill.records import InputPath
-from tokenmill.shards import (
-    TMP_MARK,
-    ShardBuffer,
-    ShardCutter,
-    jsonl_line,
-    publish,
-    shard_name,
-    stage_part,
-    stage_shard,
-)
+from tokenmill.shards import TMP_MARK, ShardCutter, ShardWriter, publish, shard_name
 from tokenmill.templates import load_tokenizer
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
@@ -257,28 +248,22 @@ def pool_size(cpus: float, workers: int | None) -> tuple[int, float]:
 
 
 def write_rows(
-    final: str, where: list[tuple[int, int, int]], dtypes: dict[str, str], storage_format: str,
-    *blocks: Any,
+    domain_dir: str, index: int, where: list[tuple[int, int, int]], dtypes: dict[str, str],
+    primary_key: str, storage_format: str, *blocks: Any,
 ) -> tuple[str, dict]:
-    """A Ray task: gathers one shard's rows from the blocks that hold them and writes the shard
-    into its temp place beside `final` (fsynced, checksummed); the driver publishes it."""
+    """A Ray task: gathers shard `index`'s rows from the blocks that hold them and stages it
+    with the local ShardWriter (temp place, fsynced, checksummed); the driver publishes it."""
     from ray.data.block import BlockAccessor
 
     chunks = [BlockAccessor.for_block(b).to_numpy("rows") for b in blocks]
-    records = [chunks[b][row].rows[item] for b, row, item in where]
-    final_path = Path(final)
-    buffer = ShardBuffer(dtypes)
-    for record in records:
-        buffer.check(record)
-        if storage_format != "jsonl":
-            buffer.add(record)
-    if storage_format == "jsonl":
-        lines = [jsonl_line({k: r[k] for k in buffer.keys or []}, buffer.dtypes) for r in records]
-        tmp, extra = stage_part(final_path, lines)
-    else:
-        tmp, _ = stage_shard(final_path, buffer.build(), buffer.dtypes)
-        extra = {}
-    return str(tmp), {"keys": list(buffer.keys or []), **extra}
+    writer = ShardWriter(Path(domain_dir), dtypes, primary_key, _NO_CUT, storage_format, index)
+    for b, row, item in where:
+        writer.add(chunks[b][row].rows[item])
+    tmp, info = writer.stage()
+    return str(tmp), info
+
+
+_NO_CUT = 1 << 62  # a write task stages exactly the rows it is given: the driver made the cut
 
 
 class RayShardWriter:
@@ -286,14 +271,15 @@ class RayShardWriter:
     ShardCutter; a Ray task writes each shard's temp copy; the driver renames them into place in
     index order, so the published shards of a domain are always a prefix (what resume relies on)."""
 
-    def __init__(self, ray: ModuleType, domain_dir: Path, dtypes: dict[str, str],
+    def __init__(self, ray: ModuleType, domain_dir: Path, dtypes: dict[str, str], primary_key: str,
                  max_tokens_per_shard: int, storage_format: str = "bin", first_index: int = 0,
                  in_flight: int = 4):
         self.ray, self.domain_dir, self.dtypes = ray, Path(domain_dir), dtypes
-        self.storage_format, self.index, self.in_flight = storage_format, first_index, in_flight
+        self.primary_key, self.storage_format = primary_key, storage_format
+        self.index, self.in_flight = first_index, in_flight
         self.cutter = ShardCutter(max_tokens_per_shard)
         self.rows: list[RowRef] = []
-        self.pending: collections.deque = collections.deque()  # (name, records, tokens, future)
+        self.pending: collections.deque = collections.deque()  # (name, future of write_rows)
         self.written: list[str] = []  # names this writer wrote, whose stray temps it removes
         self.published: list[dict] = []
         self.task = ray.remote(num_cpus=0.25, max_retries=3)(write_rows)
@@ -315,27 +301,26 @@ class RayShardWriter:
         name = shard_name(self.index, self.storage_format)
         blocks: dict[Any, int] = {}
         where = [(blocks.setdefault(r.block, len(blocks)), r.row, r.item) for r in self.rows]
-        self.domain_dir.mkdir(parents=True, exist_ok=True)
-        future = self.task.remote(str(self.domain_dir / name), where, self.dtypes,
-                                  self.storage_format, *blocks)
-        self.pending.append((name, len(self.rows), self.cutter.tokens, future))
+        future = self.task.remote(str(self.domain_dir), self.index, where, self.dtypes,
+                                  self.primary_key, self.storage_format, *blocks)
+        self.pending.append((name, future))
         self.written.append(name)
         self.index += 1
         self.rows = []
         self.cutter.reset()
 
     def _done(self, entry: tuple) -> bool:
-        ready, _ = self.ray.wait([entry[3]], timeout=0)
+        ready, _ = self.ray.wait([entry[1]], timeout=0)
         return bool(ready)
 
     def _publish_next(self) -> None:
-        name, records, tokens, future = self.pending.popleft()
+        name, future = self.pending.popleft()
         try:
-            tmp, extra = self.ray.get(future)
+            tmp, info = self.ray.get(future)
         except self.ray.exceptions.RayTaskError as err:
             raise err.as_instanceof_cause() from None
         publish(Path(tmp), self.domain_dir / name)
-        self.published.append({"name": name, "records": records, "tokens": tokens, **extra})
+        self.published.append(info)
 
     def close(self) -> list[dict]:
         """Writes and publishes the last shards; removes temps left by killed task attempts."""
@@ -348,10 +333,10 @@ class RayShardWriter:
     def abort(self) -> None:
         """Cancels the writes in flight; publishes nothing more and removes their temps."""
         self.rows = []
-        for *_, future in self.pending:
+        for _, future in self.pending:
             self.ray.cancel(future, force=True)
         if self.pending:
-            self.ray.wait([f for *_, f in self.pending], num_returns=len(self.pending), timeout=30)
+            self.ray.wait([f for _, f in self.pending], num_returns=len(self.pending), timeout=30)
         self.pending.clear()
         self._remove_temps()
 

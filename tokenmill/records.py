@@ -86,7 +86,7 @@ def list_inputs(paths: Sequence[str | Path]) -> list[InputPath]:
             else _list_local(Path(given))
         )
         for file in files:
-            _suffix(file)
+            input_suffix(file)
         found.extend(files)
     if not found:
         raise ValueError(f"no input files given ({_supported()})")
@@ -168,7 +168,7 @@ def read_records(
     """
     if not is_url(path):
         path = Path(path)
-    suffix = _suffix(path)
+    suffix = input_suffix(path)
     if suffix == ".parquet":
         yield from _read_parquet(path, on_error)
     elif suffix.startswith(".jsonl"):
@@ -459,7 +459,8 @@ def _utf8_error(raw: bytes) -> tuple[int, str]:
     return 1, "not UTF-8 text"
 
 
-def _suffix(path: InputPath) -> str:
+def input_suffix(path: InputPath) -> str:
+    """The supported suffix that names the file's format (`.jsonl.gz`, `.parquet`, ...)."""
     name = _name(path).lower()
     for suffix in INPUT_SUFFIXES:
         if name.endswith(suffix):

@@ -379,9 +379,9 @@ class ShardWriter:
         if self.cutter.add(tokens):
             self._flush()
 
-    def _flush(self) -> None:
-        if not self.buffer.records:
-            return
+    def stage(self) -> tuple[Path, dict]:
+        """Writes the open shard into its temp place beside its final one, not yet published;
+        returns (temp, the shard's info). The Ray engine's write tasks stage, its driver publishes."""
         name = shard_name(self.index, self.storage_format)
         final = self.domain_dir / name
         self.domain_dir.mkdir(parents=True, exist_ok=True)
@@ -392,8 +392,14 @@ class ShardWriter:
             extra = {}
         info = {"name": name, "records": self.buffer.records, "tokens": self.cutter.tokens,
                 "keys": list(self.buffer.keys or []), **extra}
+        return tmp, info
+
+    def _flush(self) -> None:
+        if not self.buffer.records:
+            return
+        tmp, info = self.stage()
         try:
-            publish(tmp, final)
+            publish(tmp, self.domain_dir / info["name"])
         except BaseException:
             shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
             raise
