@@ -19,6 +19,7 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tokenmill tests benchmarks
+	$(VENV)/bin/ruff format --check tokenmill tests benchmarks
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

@@ -50,8 +50,17 @@ def run(path: Path, out: Path, workers: int, engine: str = "local") -> tuple[flo
     config = default_config("sft").model_dump(mode="json")
     config["preprocessing"].update(max_seq_len=1_000_000, min_chars=0)
     start = time.perf_counter()
-    summary = Pipeline(PipelineConfig.from_dict(config), [path], out, TOKENIZER, workers=workers,
-                       on_error="skip", engine=engine, overwrite=True, progress=False).run()
+    summary = Pipeline(
+        PipelineConfig.from_dict(config),
+        [path],
+        out,
+        TOKENIZER,
+        workers=workers,
+        on_error="skip",
+        engine=engine,
+        overwrite=True,
+        progress=False,
+    ).run()
     return time.perf_counter() - start, summary.records_read, summary.tokens
 
 

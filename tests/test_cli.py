@@ -33,11 +33,32 @@ def head(src: Path, dst: Path, n: int) -> Path:
 def datasets(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     made = {}
-    for t, name in (("sft", "chat_sharegpt_1000.jsonl"), ("dpo", "dpo_en_300.jsonl"), ("grpo", "grpo_from_dpo_300.jsonl")):
+    for t, name in (
+        ("sft", "chat_sharegpt_1000.jsonl"),
+        ("dpo", "dpo_en_300.jsonl"),
+        ("grpo", "grpo_from_dpo_300.jsonl"),
+    ):
         src = head(DATA / name, root / name, 30)
         out = root / t
-        assert main(["preprocess", str(src), "-o", str(out), "--type", t, "--tokenizer", str(QWEN),
-                     "--workers", "1", "--on-error", "skip"]) == 0
+        assert (
+            main(
+                [
+                    "preprocess",
+                    str(src),
+                    "-o",
+                    str(out),
+                    "--type",
+                    t,
+                    "--tokenizer",
+                    str(QWEN),
+                    "--workers",
+                    "1",
+                    "--on-error",
+                    "skip",
+                ]
+            )
+            == 0
+        )
         made[t] = out
     return made
 
@@ -55,11 +76,18 @@ def test_inspect_json_matches_independent_counts(capsys, datasets):
     assert d["keys"]["sequence"]["tokens"] == len(seq)
     assert d["keys"]["sequence"]["max"] == int(np.diff(offsets).max())
     assert d["trained_share"] == pytest.approx(mask.sum() / len(mask))
-    assert stats["provenance"]["fingerprint"] == json.loads((datasets["sft"] / "manifest.json").read_text())["fingerprint"]
+    assert (
+        stats["provenance"]["fingerprint"]
+        == json.loads((datasets["sft"] / "manifest.json").read_text())["fingerprint"]
+    )
 
     code, out, _ = run(capsys, "inspect", datasets["grpo"], "--json")
     g = json.loads(out)["domains"][""]
-    raw = [json.loads(x) for x in (datasets["grpo"].parent / "grpo_from_dpo_300.jsonl").read_text().split("\n") if x]
+    raw = [
+        json.loads(x)
+        for x in (datasets["grpo"].parent / "grpo_from_dpo_300.jsonl").read_text().split("\n")
+        if x
+    ]
     rewards = np.array([r for rec in raw for r in rec["rewards"]])
     assert g["grpo_rewards"]["mean"] == pytest.approx(rewards.mean())
     assert g["grpo_group_size"] == {"min": 2, "mean": 2.0, "max": 2}
@@ -77,8 +105,18 @@ def test_show_marks_masked_tokens(capsys, datasets):
     code, out, _ = run(capsys, "show", datasets["dpo"], "--index", "0", "--tokenizer", QWEN)
     assert code == 0
     assert "[masked]<|im_start|>system" in out and "--- chosen:" in out and "--- rejected:" in out
-    code, out, _ = run(capsys, "show", DATA / "chat_sharegpt_1000.jsonl", "--type", "sft", "--tokenizer", QWEN,
-                       "--index", "1", "--ids")
+    code, out, _ = run(
+        capsys,
+        "show",
+        DATA / "chat_sharegpt_1000.jsonl",
+        "--type",
+        "sft",
+        "--tokenizer",
+        QWEN,
+        "--index",
+        "1",
+        "--ids",
+    )
     assert code == 0 and "[masked]" in out and "[151644" in out
 
 
@@ -115,11 +153,22 @@ def test_verify_names_each_corruption(capsys, datasets, tmp_path):
 def test_bad_config_exits_2_naming_the_field(capsys, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("input:\n  sections:\n    - field: text\n      acton: train\n")
-    code, _, err = run(capsys, "preprocess", DATA / "pretrain_c4_300.jsonl", "-o", tmp_path / "o", "-c", cfg,
-                       "--tokenizer", QWEN)
+    code, _, err = run(
+        capsys,
+        "preprocess",
+        DATA / "pretrain_c4_300.jsonl",
+        "-o",
+        tmp_path / "o",
+        "-c",
+        cfg,
+        "--tokenizer",
+        QWEN,
+    )
     assert code == 2 and "input.sections[0].acton: unknown field" in err
 
 
 def test_console_script_runs():
-    out = subprocess.run([sys.executable, "-m", "tokenmill.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenmill.cli", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "preprocess" in out.stdout and "inspect" in out.stdout

@@ -14,13 +14,28 @@ def test_defaults_match_system_md():
     assert c.version == 1
     assert c.mask_default == "mask"
     p = c.preprocessing
-    assert (p.max_seq_len, p.min_chars, p.max_chars, p.max_items, p.batch_size) == (2048, 50, 2_000_000, None, 256)
-    assert (p.packing_strategy, p.max_packed_len, p.truncation_mode) == ("simple", 8192, "keep_start")
+    assert (p.max_seq_len, p.min_chars, p.max_chars, p.max_items, p.batch_size) == (
+        2048,
+        50,
+        2_000_000,
+        None,
+        256,
+    )
+    assert (p.packing_strategy, p.max_packed_len, p.truncation_mode) == (
+        "simple",
+        8192,
+        "keep_start",
+    )
     o = c.output
     assert (o.domain_key, o.storage_format, o.max_tokens_per_shard) == (None, "bin", 100_000_000)
     assert (o.dtype, o.position_ids_mode) == ({}, "doc_reset")
     s = c.input.sections[0]
-    assert (s.field, s.action, s.template, s.add_special_tokens) == ("messages", "$role", True, None)
+    assert (s.field, s.action, s.template, s.add_special_tokens) == (
+        "messages",
+        "$role",
+        True,
+        None,
+    )
 
 
 def test_every_field_round_trips_from_json_and_yaml(tmp_path):
@@ -28,21 +43,50 @@ def test_every_field_round_trips_from_json_and_yaml(tmp_path):
         "version": 1,
         "input": {
             "sources": {
-                "prompts": {"sections": [{"field": "prompt", "template": True, "action": "mask",
-                                          "generation_prompt": True}]},
-                "responses": {"sections": [{"field": "responses", "action": "train", "eos": True,
-                                            "add_special_tokens": False}],
-                              "list_field": True, "mask_key": "masks"},
+                "prompts": {
+                    "sections": [
+                        {
+                            "field": "prompt",
+                            "template": True,
+                            "action": "mask",
+                            "generation_prompt": True,
+                        }
+                    ]
+                },
+                "responses": {
+                    "sections": [
+                        {
+                            "field": "responses",
+                            "action": "train",
+                            "eos": True,
+                            "add_special_tokens": False,
+                        }
+                    ],
+                    "list_field": True,
+                    "mask_key": "masks",
+                },
                 "rewards": {"sections": [{"field": "rewards", "action": "value"}]},
             }
         },
         "mask": {"user": "mask", "assistant": "train", "tool": "train"},
         "mask_default": "train",
-        "preprocessing": {"max_seq_len": 16, "min_chars": 0, "max_chars": 99, "max_items": 3,
-                          "batch_size": 4, "packing_strategy": "bfd_split", "max_packed_len": 32,
-                          "truncation_mode": "keep_end"},
-        "output": {"domain_key": "lang", "storage_format": "jsonl", "max_tokens_per_shard": 1000,
-                   "dtype": {"responses": "uint32"}, "position_ids_mode": "continuous"},
+        "preprocessing": {
+            "max_seq_len": 16,
+            "min_chars": 0,
+            "max_chars": 99,
+            "max_items": 3,
+            "batch_size": 4,
+            "packing_strategy": "bfd_split",
+            "max_packed_len": 32,
+            "truncation_mode": "keep_end",
+        },
+        "output": {
+            "domain_key": "lang",
+            "storage_format": "jsonl",
+            "max_tokens_per_shard": 1000,
+            "dtype": {"responses": "uint32"},
+            "position_ids_mode": "continuous",
+        },
     }
     (tmp_path / "c.json").write_text(json.dumps(full))
     import yaml
@@ -59,18 +103,42 @@ def test_every_field_round_trips_from_json_and_yaml(tmp_path):
 @pytest.mark.parametrize(
     "patch, expected",
     [
-        ({"input": {"sections": [{"field": "t", "acton": "train"}]}}, "input.sections[0].acton: unknown field"),
-        ({"input": {"sections": [{"field": "t", "action": "trian"}]}}, "input.sections[0].action: Input should be 'train', 'mask', '$role' or 'value'"),
-        ({"preprocessing": {"packing_strategy": "fast"}}, "preprocessing.packing_strategy: Input should be 'none', 'simple', 'bfd' or 'bfd_split'"),
-        ({"preprocessing": {"truncation_mode": "middle"}}, "preprocessing.truncation_mode: Input should be 'keep_start' or 'keep_end'"),
-        ({"output": {"storage_format": "arrow"}}, "output.storage_format: Input should be 'bin' or 'jsonl'"),
-        ({"output": {"position_ids_mode": "reset"}}, "output.position_ids_mode: Input should be 'none', 'doc_reset' or 'continuous'"),
+        (
+            {"input": {"sections": [{"field": "t", "acton": "train"}]}},
+            "input.sections[0].acton: unknown field",
+        ),
+        (
+            {"input": {"sections": [{"field": "t", "action": "trian"}]}},
+            "input.sections[0].action: Input should be 'train', 'mask', '$role' or 'value'",
+        ),
+        (
+            {"preprocessing": {"packing_strategy": "fast"}},
+            "preprocessing.packing_strategy: Input should be 'none', 'simple', 'bfd' or 'bfd_split'",
+        ),
+        (
+            {"preprocessing": {"truncation_mode": "middle"}},
+            "preprocessing.truncation_mode: Input should be 'keep_start' or 'keep_end'",
+        ),
+        (
+            {"output": {"storage_format": "arrow"}},
+            "output.storage_format: Input should be 'bin' or 'jsonl'",
+        ),
+        (
+            {"output": {"position_ids_mode": "reset"}},
+            "output.position_ids_mode: Input should be 'none', 'doc_reset' or 'continuous'",
+        ),
         ({"output": {"dtype": {"sequence": "int33"}}}, "output.dtype.sequence: Input should be"),
         ({"mask": {"assistant": "yes"}}, "mask.assistant: Input should be 'train' or 'mask'"),
         ({"version": 2}, "version: Input should be 1"),
-        ({"preprocessing": {"max_seq_len": 0}}, "preprocessing.max_seq_len: Input should be greater than 0"),
+        (
+            {"preprocessing": {"max_seq_len": 0}},
+            "preprocessing.max_seq_len: Input should be greater than 0",
+        ),
         ({"outptu": {}}, "outptu: unknown field"),
-        ({"input": {"sections": [{"field": "t", "action": "$role"}]}}, 'input.sections[0]: action "$role" needs template: true'),
+        (
+            {"input": {"sections": [{"field": "t", "action": "$role"}]}},
+            'input.sections[0]: action "$role" needs template: true',
+        ),
         ({"input": {"sections": []}}, "input: give input.sections"),
     ],
 )
@@ -101,6 +169,8 @@ def test_docs_config_reference_is_generated_from_the_model():
     from tokenmill.config import config_reference
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
-    assert doc.endswith(config_reference()), "docs/config.md is stale: regenerate it from config_reference()"
+    assert doc.endswith(config_reference()), (
+        "docs/config.md is stale: regenerate it from config_reference()"
+    )
     for name in ("max_seq_len", "packing_strategy", "position_ids_mode", "list_field", "mask_key"):
         assert f".{name}`" in doc

@@ -7,7 +7,6 @@ for the same records and config, both routes must give identical items.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -31,14 +30,6 @@ DATA = Path(__file__).parent.parent / "data"
 TOKENIZER = DATA / "tokenizers" / "qwen2.5"
 IM_START, IM_END = 151644, 151645  # Qwen2.5 "<|im_start|>", "<|im_end|>"
 WINDOW = 64
-
-HAVE_PIPELINE = all(
-    importlib.util.find_spec(f"tokenmill.{m}") for m in ("pipeline", "store", "records")
-)
-pytestmark = pytest.mark.skipif(
-    not HAVE_PIPELINE,
-    reason="needs tokenmill.pipeline and tokenmill.store to write and read real shards",
-)
 
 # train type -> (shipped file, records used)
 INPUTS = {

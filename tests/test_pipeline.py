@@ -36,8 +36,11 @@ def config(train_type: str, **pre) -> PipelineConfig:
 
 
 def files_of(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"}
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
 
 
 def lines_of(src: Path) -> list[str]:
@@ -89,8 +92,11 @@ def test_every_training_type_writes_its_keys(tmp_path, train_type):
 
 def test_output_bytes_do_not_depend_on_worker_count(tmp_path):
     src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 120)
-    cfg = config("sft", preprocessing={"batch_size": 16, "max_packed_len": 4096},
-                 output={"max_tokens_per_shard": 30_000})
+    cfg = config(
+        "sft",
+        preprocessing={"batch_size": 16, "max_packed_len": 4096},
+        output={"max_tokens_per_shard": 30_000},
+    )
     outs = []
     for workers in (1, 2, 3):
         out = tmp_path / f"w{workers}"
@@ -101,7 +107,8 @@ def test_output_bytes_do_not_depend_on_worker_count(tmp_path):
 
 
 def test_inputs_given_as_urls_give_the_same_shards(tmp_path):
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec
+
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 60)
     cfg = config("seq", preprocessing={"batch_size": 16}, output={"max_tokens_per_shard": 8_000})
     fsspec.filesystem("memory").pipe("/pipeline/c4.jsonl", src.read_bytes())
@@ -112,7 +119,9 @@ def test_inputs_given_as_urls_give_the_same_shards(tmp_path):
         Pipeline(cfg, [url], out, QWEN, workers=workers).run()
         assert files_of(out) == files_of(tmp_path / "path")
         assert len(find_shards(out)) >= 3
-        assert read_manifest(out)["inputs"] == [url if url.endswith(".jsonl") else f"{url}/c4.jsonl"]
+        assert read_manifest(out)["inputs"] == [
+            url if url.endswith(".jsonl") else f"{url}/c4.jsonl"
+        ]
 
 
 def test_an_input_changed_in_place_is_not_taken_for_the_finished_run(tmp_path):
@@ -131,11 +140,17 @@ def test_an_input_changed_in_place_is_not_taken_for_the_finished_run(tmp_path):
 
 def test_bad_record_stops_the_run_and_leaves_nothing_that_looks_complete(tmp_path):
     lines = lines_of(DATA / "chat_sharegpt_1000.jsonl")[:60]
-    lines[50] = '{"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "x"}]}\n'
+    lines[50] = (
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "gpt", "content": "x"}]}\n'
+    )
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(lines))
     out = tmp_path / "out"
-    cfg = config("sft", preprocessing={"batch_size": 8, "max_seq_len": 8192}, output={"max_tokens_per_shard": 5_000})
+    cfg = config(
+        "sft",
+        preprocessing={"batch_size": 8, "max_seq_len": 8192},
+        output={"max_tokens_per_shard": 5_000},
+    )
     with pytest.raises(RecordError) as err:
         Pipeline(cfg, [src], out, QWEN, workers=2).run()
     assert str(err.value).startswith(f"{src}:51: messages[1].role:")
@@ -154,7 +169,10 @@ def test_skip_counts_and_lists_every_bad_record(tmp_path):
     summary = Pipeline(config("sft"), [src], out, QWEN, workers=1, on_error="skip").run()
     rejects = [json.loads(x) for x in (out / "rejects.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejects if r["line"] in (4, 8, 10)] == [
-        (4, "bad_json"), (8, "wrong_type"), (10, "missing_field")]
+        (4, "bad_json"),
+        (8, "wrong_type"),
+        (10, "missing_field"),
+    ]
     assert len(rejects) == sum(summary.skipped.values())
     assert summary.records_written + len(rejects) == 30 == summary.records_read
     assert read_manifest(out)["summary"]["skipped"] == summary.skipped
@@ -162,8 +180,15 @@ def test_skip_counts_and_lists_every_bad_record(tmp_path):
 
 def test_packing_truncation_and_position_ids(tmp_path):
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 50)
-    cfg = config("seq", preprocessing={"max_seq_len": 100, "max_packed_len": 256, "packing_strategy": "bfd",
-                                       "truncation_mode": "keep_end"})
+    cfg = config(
+        "seq",
+        preprocessing={
+            "max_seq_len": 100,
+            "max_packed_len": 256,
+            "packing_strategy": "bfd",
+            "truncation_mode": "keep_end",
+        },
+    )
     out = tmp_path / "out"
     summary = Pipeline(cfg, [src], out, QWEN, workers=1).run()
     store = MmapStore()
@@ -185,10 +210,17 @@ def test_packing_truncation_and_position_ids(tmp_path):
 def test_domains_and_shard_rolling(tmp_path):
     src = tmp_path / "mixed.jsonl"
     texts = [json.loads(x)["text"] for x in lines_of(DATA / "pretrain_c4_300.jsonl")[:40]]
-    src.write_text("".join(json.dumps({"text": t, "lang": "en" if i % 3 else "fr"}) + "\n"
-                           for i, t in enumerate(texts)))
-    cfg = config("seq", preprocessing={"packing_strategy": "none"},
-                 output={"domain_key": "lang", "max_tokens_per_shard": 2_000})
+    src.write_text(
+        "".join(
+            json.dumps({"text": t, "lang": "en" if i % 3 else "fr"}) + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
+    cfg = config(
+        "seq",
+        preprocessing={"packing_strategy": "none"},
+        output={"domain_key": "lang", "max_tokens_per_shard": 2_000},
+    )
     out = tmp_path / "out"
     Pipeline(cfg, [src], out, QWEN, workers=1).run()
     manifest = read_manifest(out)
@@ -214,7 +246,9 @@ def test_jsonl_storage_format(tmp_path):
 
 def test_max_items_and_min_chars(tmp_path):
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 50)
-    cfg = config("seq", preprocessing={"max_items": 7, "min_chars": 10_000_000, "max_chars": 20_000_000})
+    cfg = config(
+        "seq", preprocessing={"max_items": 7, "min_chars": 10_000_000, "max_chars": 20_000_000}
+    )
     summary = Pipeline(cfg, [src], tmp_path / "out", QWEN, workers=1).run()
     assert summary.records_read == 7 and summary.skipped == {"too_short": 7}
 
@@ -232,7 +266,9 @@ def test_malformed_pipeline_cases(tmp_path, case):
     _, reason, where, field = case.outcome
     if reason in FILTER_REASONS:  # length filters are counted skips, never fatal
         summary = Pipeline(cfg, [src], out, QWEN, workers=1).run()
-        assert summary.skipped == {reason: 1} and summary.first_errors[reason][0].startswith(f"{tmp_path}/{where}")
+        assert summary.skipped == {reason: 1} and summary.first_errors[reason][0].startswith(
+            f"{tmp_path}/{where}"
+        )
         return
     with pytest.raises(RecordError) as err:
         Pipeline(cfg, [src], out, QWEN, workers=1).run()
@@ -251,8 +287,23 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     clean = tmp_path / "clean"
     Pipeline(data, [src], clean, QWEN, workers=1, on_error="skip").run()
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "tokenmill.cli", "preprocess", str(src), "-o", str(out), "-c", str(cfg_path),
-           "--tokenizer", str(QWEN), "--workers", "1", "--on-error", "skip"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.cli",
+        "preprocess",
+        str(src),
+        "-o",
+        str(out),
+        "-c",
+        str(cfg_path),
+        "--tokenizer",
+        str(QWEN),
+        "--workers",
+        "1",
+        "--on-error",
+        "skip",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (out / "shard_00003").exists() and time.time() < deadline:
@@ -269,7 +320,9 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     os.utime(src, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # back as it was: resumes
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert (out / "shard_00000" / "sequence.bin").stat().st_mtime_ns == mtime  # reused, not rewritten
+    assert (
+        out / "shard_00000" / "sequence.bin"
+    ).stat().st_mtime_ns == mtime  # reused, not rewritten
     assert files_of(out) == files_of(clean)
     assert read_manifest(out)["summary"]["skipped"] == read_manifest(clean)["summary"]["skipped"]
     assert read_manifest(out)["domains"] == read_manifest(clean)["domains"]
@@ -278,8 +331,13 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
 def test_deepseek_records_start_with_one_masked_bos(tmp_path):
     src = head(DATA / "instruction_humaneval.jsonl", tmp_path / "inst.jsonl", 5)
     out = tmp_path / "out"
-    Pipeline(config("instruction", preprocessing={"packing_strategy": "none"}), [src], out, DEEPSEEK,
-             workers=1).run()
+    Pipeline(
+        config("instruction", preprocessing={"packing_strategy": "none"}),
+        [src],
+        out,
+        DEEPSEEK,
+        workers=1,
+    ).run()
     store = MmapStore()
     store.load(out)
     for i in range(5):
@@ -291,10 +349,17 @@ def test_deepseek_records_start_with_one_masked_bos(tmp_path):
 def test_jsonl_output_with_domains_resumes_and_lists_domains_in_store_order(tmp_path):
     texts = [json.loads(x)["text"] for x in lines_of(DATA / "pretrain_c4_300.jsonl")[:60]]
     src = tmp_path / "mixed.jsonl"
-    src.write_text("".join(json.dumps({"text": t, "lang": "zz" if i % 2 else "aa"}) + "\n"
-                           for i, t in enumerate(texts)))
-    cfg = config("seq", preprocessing={"packing_strategy": "none", "batch_size": 4},
-                 output={"domain_key": "lang", "max_tokens_per_shard": 3_000, "storage_format": "jsonl"})
+    src.write_text(
+        "".join(
+            json.dumps({"text": t, "lang": "zz" if i % 2 else "aa"}) + "\n"
+            for i, t in enumerate(texts)
+        )
+    )
+    cfg = config(
+        "seq",
+        preprocessing={"packing_strategy": "none", "batch_size": 4},
+        output={"domain_key": "lang", "max_tokens_per_shard": 3_000, "storage_format": "jsonl"},
+    )
     clean = tmp_path / "clean"
     Pipeline(cfg, [src], clean, QWEN, workers=1).run()
     assert list(read_manifest(clean)["domains"]) == ["aa", "zz"]

@@ -88,7 +88,8 @@ def test_without_ray_the_message_says_how_to_install(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def ray_address():
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(num_cpus=2, include_dashboard=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()

@@ -386,7 +386,8 @@ def _read_all(path) -> tuple[list, list]:
 
 
 def test_urls_are_listed_and_read_like_local_paths(tmp_path):
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec
+
     folder = tmp_path / "in"
     _every_format(folder)
     memory = fsspec.filesystem("memory")
@@ -395,7 +396,14 @@ def test_urls_are_listed_and_read_like_local_paths(tmp_path):
             memory.pipe(f"/urls/{path.relative_to(folder).as_posix()}", path.read_bytes())
     local = list_inputs([folder])
     names = [p.relative_to(folder).as_posix() for p in local]
-    assert names == ["a.jsonl", "b/c.jsonl.gz", "b/d.jsonl.zst", "e.json", "f.parquet", "g.jsonl.gz"]
+    assert names == [
+        "a.jsonl",
+        "b/c.jsonl.gz",
+        "b/d.jsonl.zst",
+        "e.json",
+        "f.parquet",
+        "g.jsonl.gz",
+    ]
     for root in (folder.as_uri(), "memory://urls"):  # fsspec: its local and in-memory filesystems
         urls = list_inputs([root])
         assert urls == [f"{root}/{name}" for name in names]

@@ -82,7 +82,8 @@ def bundles():
 @pytest.fixture(scope="module")
 def oracles():
     os.environ["HF_HUB_OFFLINE"] = "1"
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     return {
         family: transformers.AutoTokenizer.from_pretrained(str(DATA / "tokenizers" / family))
         for family in FAMILIES
@@ -316,18 +317,24 @@ def test_template_helpers(bundles):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_preamble_before_the_first_header_never_trains(family, bundles, oracles):
     """A chat opening with a trained role keeps the template's preamble (default system prompt) masked."""
-    messages = [{"role": "assistant", "content": "Hello there, how can I help?"},
-                {"role": "user", "content": "Tell me a joke."},
-                {"role": "assistant", "content": "No."}]
+    messages = [
+        {"role": "assistant", "content": "Hello there, how can I help?"},
+        {"role": "user", "content": "Tell me a joke."},
+        {"role": "assistant", "content": "No."},
+    ]
     ids, mask = render_conversation(bundles[family], messages, [True, False, True])
     assert ids.tolist() == _oracle_ids(oracles[family], messages)
     runs = _trained_runs(bundles[family], ids, mask)
     assert len(runs) == 2 and "You are Qwen" not in "".join(runs)
-    assert runs[0].endswith("Hello there, how can I help?" + ("<|im_end|>\n" if "qwen" in family else DS_EOS))
+    assert runs[0].endswith(
+        "Hello there, how can I help?" + ("<|im_end|>\n" if "qwen" in family else DS_EOS)
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("content", ["assistant.", "You are a helpful assistant.", "user", "<think>"])
+@pytest.mark.parametrize(
+    "content", ["assistant.", "You are a helpful assistant.", "user", "<think>"]
+)
 def test_content_that_looks_like_template_text_is_placed_exactly(family, content, bundles, oracles):
     """A user turn whose text also occurs in the default system prompt or a header stays masked."""
     messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "Sure"}]
@@ -336,7 +343,8 @@ def test_content_that_looks_like_template_text_is_placed_exactly(family, content
     end = "<|im_end|>\n" if "qwen" in family else DS_EOS
     head = "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if family == "qwen3" else "")
     assert _trained_runs(bundles[family], ids, mask) == [
-        (head if "qwen" in family else "<｜Assistant｜>") + "Sure" + end]
+        (head if "qwen" in family else "<｜Assistant｜>") + "Sure" + end
+    ]
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "deepseek-v3"])
@@ -345,14 +353,23 @@ def test_default_preamble_stays_masked_when_the_first_role_trains_once(family, b
     ids, mask = render_conversation(bundles[family], messages, [True, True])
     runs = _trained_runs(bundles[family], ids, mask)
     assert "You are Qwen" not in "".join(runs) and not mask[0]
-    assert "".join(runs).startswith("<|im_start|>user\nHi" if family == "qwen2.5" else "<｜User｜>Hi")
+    assert "".join(runs).startswith(
+        "<|im_start|>user\nHi" if family == "qwen2.5" else "<｜User｜>Hi"
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_assistant_end_of_turn_trains_when_the_chat_ends_with_a_user_turn(family, bundles, oracles):
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                {"role": "user", "content": "Bye"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
     ids, mask = render_conversation(bundles[family], messages, [False, True, False])
     assert ids.tolist() == _oracle_ids(oracles[family], messages)
-    expected = "<｜Assistant｜>Hello" + DS_EOS if family == "deepseek-v3" else "<|im_start|>assistant\nHello<|im_end|>\n"
+    expected = (
+        "<｜Assistant｜>Hello" + DS_EOS
+        if family == "deepseek-v3"
+        else "<|im_start|>assistant\nHello<|im_end|>\n"
+    )
     assert _trained_runs(bundles[family], ids, mask) == [expected]

@@ -48,7 +48,9 @@ class ChunkResult:
     sizes: list[int] = field(default_factory=list)  # primary-key tokens of each row
 
 
-def iter_chunks(files: Sequence[InputPath], config: PipelineConfig, collect_errors: bool) -> Iterator[Chunk]:
+def iter_chunks(
+    files: Sequence[InputPath], config: PipelineConfig, collect_errors: bool
+) -> Iterator[Chunk]:
     """Records of all files in order, cut into chunks; read errors travel with their chunk."""
     size = config.preprocessing.batch_size
     limit = config.preprocessing.max_items
@@ -112,7 +114,9 @@ def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResu
     dtypes = masker.dtypes()
     mask_keys = [k for k, t in dtypes.items() if t == "bool"]
     values = masker.value_keys()
-    token_keys = [k for k, t in dtypes.items() if t != "bool" and k not in values and k != "position_ids"]
+    token_keys = [
+        k for k, t in dtypes.items() if t != "bool" and k not in values and k != "position_ids"
+    ]
     primary = masker.primary_key()
     result.tokens = sum(row_tokens(row[k]) for _, row in rows for k in token_keys)
     result.trained_tokens = sum(row_trained(row, mask_keys, token_keys) for _, row in rows)
@@ -127,7 +131,9 @@ def pack_rows(outs: list[dict], config: PipelineConfig) -> tuple[list[dict], int
         return outs, 0
     keys = [k for k in outs[0] if k != "position_ids"]
     docs = {k: [o[k] for o in outs] for k in keys}
-    plan, dropped = plan_packing([len(o["sequence"]) for o in outs], pre.max_packed_len, pre.packing_strategy)
+    plan, dropped = plan_packing(
+        [len(o["sequence"]) for o in outs], pre.max_packed_len, pre.packing_strategy
+    )
     packed = apply_packing(docs, plan)
     mode = config.output.position_ids_mode
     rows = []
@@ -145,7 +151,11 @@ def _domain(record: Record, config: PipelineConfig) -> str:
         return ""
     value = get_field(record, key)
     if not isinstance(value, str) or not _SAFE_DOMAIN.match(value):
-        raise RecordError(record.source, record.line, key,
-                          f"domain must be a short name of letters, digits, '.', '_' or '-', got {value!r}",
-                          "bad_value")
+        raise RecordError(
+            record.source,
+            record.line,
+            key,
+            f"domain must be a short name of letters, digits, '.', '_' or '-', got {value!r}",
+            "bad_value",
+        )
     return value

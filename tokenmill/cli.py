@@ -19,15 +19,25 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("preprocess", help="records -> shards")
-    p.add_argument("inputs", nargs="+",
-                   help=".jsonl/.json(.gz/.zst)/.parquet files or folders, or URLs (s3://..., via fsspec)")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        help=".jsonl/.json(.gz/.zst)/.parquet files or folders, or URLs (s3://..., via fsspec)",
+    )
     p.add_argument("-o", "--output", required=True, help="output dataset folder")
     p.add_argument("-c", "--config", help="PipelineConfig (.json or .yaml)")
-    p.add_argument("--type", choices=list(DEFAULT_CONFIGS),
-                   help="use the built-in config of a training type instead of --config")
+    p.add_argument(
+        "--type",
+        choices=list(DEFAULT_CONFIGS),
+        help="use the built-in config of a training type instead of --config",
+    )
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer folder")
-    p.add_argument("--workers", type=int, default=None,
-                   help="worker processes (default: all cores); with --engine ray, actors (default: cluster CPUs - 1)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="worker processes (default: all cores); with --engine ray, actors (default: cluster CPUs - 1)",
+    )
     p.add_argument("--on-error", choices=["raise", "skip"], default="raise")
     p.add_argument("--engine", choices=["local", "ray"], default="local")
     p.add_argument("--ray-address", default=None)
@@ -39,13 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("inspect", help="per-domain counts, lengths, trained share, provenance")
     i.add_argument("dataset")
     i.add_argument("--json", action="store_true", help="print JSON for machines")
-    i.add_argument("--plot", metavar="PNG", help="write a length histogram and trained share picture")
+    i.add_argument(
+        "--plot", metavar="PNG", help="write a length histogram and trained share picture"
+    )
 
     s = sub.add_parser("show", help="one sample decoded, trained and masked tokens told apart")
     s.add_argument("target", help="a dataset folder, or raw records (.jsonl/.json/.parquet)")
     s.add_argument("--index", type=int, default=0)
-    s.add_argument("--type", choices=list(DEFAULT_CONFIGS),
-                   help="raw records: use this training type's built-in config")
+    s.add_argument(
+        "--type",
+        choices=list(DEFAULT_CONFIGS),
+        help="raw records: use this training type's built-in config",
+    )
     s.add_argument("-c", "--config", help="raw records: a PipelineConfig file")
     s.add_argument("--tokenizer", help="tokenizer folder (default: the one the manifest names)")
     s.add_argument("--ids", action="store_true", help="print token ids too")
@@ -53,14 +68,23 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="run the whole flow on the data shipped with tokenmill")
     d.add_argument("-o", "--output", default="out/demo")
-    d.add_argument("--steps", type=int, default=300, help="training steps (stopped and resumed halfway)")
+    d.add_argument(
+        "--steps", type=int, default=300, help="training steps (stopped and resumed halfway)"
+    )
     d.add_argument("--workers", type=int, default=2, help="DataLoader workers")
 
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, RecordError, FileExistsError, FileNotFoundError, ValueError, IndexError,
-            ImportError) as err:
+    except (
+        ConfigError,
+        RecordError,
+        FileExistsError,
+        FileNotFoundError,
+        ValueError,
+        IndexError,
+        ImportError,
+    ) as err:
         print(f"tokenmill {args.command}: error: {err}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `tokenmill show ... | head`
@@ -74,9 +98,17 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     if bool(args.config) == bool(args.type):
         raise ValueError("give exactly one of --config and --type")
     config = PipelineConfig.from_file(args.config) if args.config else default_config(args.type)
-    summary = Pipeline(config, args.inputs, output_dir=args.output, tokenizer_path=args.tokenizer,
-                       workers=args.workers, on_error=args.on_error, engine=args.engine,
-                       overwrite=args.overwrite, ray_address=args.ray_address).run()
+    summary = Pipeline(
+        config,
+        args.inputs,
+        output_dir=args.output,
+        tokenizer_path=args.tokenizer,
+        workers=args.workers,
+        on_error=args.on_error,
+        engine=args.engine,
+        overwrite=args.overwrite,
+        ray_address=args.ray_address,
+    ).run()
     print(summary.format())
     return 0
 
@@ -123,12 +155,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(line, flush=True)
 
-    run_demo(Path(args.output), steps=args.steps, stop_at=args.steps // 2, num_workers=args.workers, log=log)
+    run_demo(
+        Path(args.output),
+        steps=args.steps,
+        stop_at=args.steps // 2,
+        num_workers=args.workers,
+        log=log,
+    )
     return 0
 
 
-COMMANDS = {"preprocess": cmd_preprocess, "inspect": cmd_inspect, "show": cmd_show, "verify": cmd_verify,
-            "demo": cmd_demo}
+COMMANDS = {
+    "preprocess": cmd_preprocess,
+    "inspect": cmd_inspect,
+    "show": cmd_show,
+    "verify": cmd_verify,
+    "demo": cmd_demo,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,9 @@ Action = Literal["train", "mask", "$role", "value"]
 RoleAction = Literal["train", "mask"]
 TruncationMode = Literal["keep_start", "keep_end"]
 StorageFormat = Literal["bin", "jsonl"]
-Dtype = Literal["bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32"]
+Dtype = Literal[
+    "bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32"
+]
 DEFAULT_MASK: dict[str, RoleAction] = {"system": "mask", "user": "mask", "assistant": "train"}
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 
@@ -176,7 +178,9 @@ class PipelineConfig(_Strict):
     preprocessing: Preprocessing = Field(
         default_factory=Preprocessing, description="lengths, filters, packing"
     )
-    output: Output = Field(default_factory=lambda: Output(), description="where and how shards are written")
+    output: Output = Field(
+        default_factory=lambda: Output(), description="where and how shards are written"
+    )
 
     @field_validator("mask")
     @classmethod

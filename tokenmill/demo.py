@@ -35,8 +35,14 @@ def preprocess_all(out: Path, log: Callable[[str], None], types: list[str] | Non
     tokenizer = DATA / "tokenizers" / "qwen2.5"
     for train_type in types or list(INPUTS):
         log(f"== preprocess {train_type}: data/{INPUTS[train_type]}")
-        summary = Pipeline(default_config(train_type), [DATA / INPUTS[train_type]], out / train_type,
-                           tokenizer_path=tokenizer, overwrite=True, on_error="skip").run()
+        summary = Pipeline(
+            default_config(train_type),
+            [DATA / INPUTS[train_type]],
+            out / train_type,
+            tokenizer_path=tokenizer,
+            overwrite=True,
+            on_error="skip",
+        ).run()
         log(summary.format())
         log(format_stats(dataset_stats(out / train_type)))
 
@@ -73,8 +79,12 @@ def make_loader(dataset: Any, num_workers: int) -> Any:
             batch["sample_index"] = [int(s["sample_index"][0]) for s in samples]
             return batch
 
-    return DataflowLoader(MapDistributor(Indexed(dataset), seed=0), batcher=SequentialPackingBatcher(BUDGET),
-                          collator=IndexedPackedCollator(), num_workers=num_workers)
+    return DataflowLoader(
+        MapDistributor(Indexed(dataset), seed=0),
+        batcher=SequentialPackingBatcher(BUDGET),
+        collator=IndexedPackedCollator(),
+        num_workers=num_workers,
+    )
 
 
 def tiny_model(vocab: int) -> Any:
@@ -89,10 +99,14 @@ def tiny_model(vocab: int) -> Any:
             self.embed = nn.Embedding(vocab, 64)
             self.pos = nn.Embedding(WINDOW, 64)
             self.attn = nn.MultiheadAttention(64, 2, batch_first=True)
-            self.mlp = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+            self.mlp = nn.Sequential(
+                nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)
+            )
             self.head = nn.Linear(64, vocab)
 
-        def forward(self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        ) -> torch.Tensor:
             x = self.embed(ids) + self.pos(position_ids.clamp(max=WINDOW - 1))
             doc = torch.bucketize(torch.arange(ids.shape[1]), cu_seqlens[1:].long(), right=True)
             causal = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()
@@ -104,8 +118,14 @@ def tiny_model(vocab: int) -> Any:
     return TinyLM()
 
 
-def train(dataset_dir: Path, work: Path, steps: int, stop_at: int, num_workers: int,
-          log: Callable[[str], None]) -> dict[str, Any]:
+def train(
+    dataset_dir: Path,
+    work: Path,
+    steps: int,
+    stop_at: int,
+    num_workers: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
     """Train `stop_at` steps, save, stop; resume from the files and train to `steps`; check exactly-once."""
     import torch
 
@@ -116,10 +136,14 @@ def train(dataset_dir: Path, work: Path, steps: int, stop_at: int, num_workers: 
     remap = np.zeros(int(store_ids.max()) + 1, dtype=np.int64)
     remap[store_ids] = np.arange(1, len(store_ids) + 1)  # 0 stays free for padding
     vocab = len(store_ids) + 1
-    log(f"== train a tiny causal LM: {len(dataset)} windows of {WINDOW} tokens, packed to {BUDGET} "
-        f"tokens per batch, vocabulary {vocab:,}, {steps} steps, stop at {stop_at} and resume")
+    log(
+        f"== train a tiny causal LM: {len(dataset)} windows of {WINDOW} tokens, packed to {BUDGET} "
+        f"tokens per batch, vocabulary {vocab:,}, {steps} steps, stop at {stop_at} and resume"
+    )
 
-    def run(loader: Any, model: Any, optimizer: Any, first: int, last: int, seen: list) -> list[float]:
+    def run(
+        loader: Any, model: Any, optimizer: Any, first: int, last: int, seen: list
+    ) -> list[float]:
         losses = []
         for step, batch in zip(range(first, last), loader, strict=False):
             ids = torch.from_numpy(remap[batch["input_ids"].clamp(min=0).numpy()])
@@ -134,7 +158,7 @@ def train(dataset_dir: Path, work: Path, steps: int, stop_at: int, num_workers: 
                 losses.append(loss.item())
             seen.append(batch["sample_index"])
             if (step + 1) % max(1, steps // 10) == 0 and losses:
-                log(f"  step {step + 1:>4}  loss {np.mean(losses[-max(1, steps // 10):]):.3f}")
+                log(f"  step {step + 1:>4}  loss {np.mean(losses[-max(1, steps // 10) :]):.3f}")
         return losses
 
     seen: list[list[int]] = []
@@ -147,7 +171,9 @@ def train(dataset_dir: Path, work: Path, steps: int, stop_at: int, num_workers: 
     state_file.write_text(json.dumps(loader.state_dict()))
     save_weights(work / "model.npz", model, optimizer)
     del loader, model, optimizer
-    log(f"== stopped at step {stop_at}; saved {state_file.name} and model.npz; resuming in a fresh loader")
+    log(
+        f"== stopped at step {stop_at}; saved {state_file.name} and model.npz; resuming in a fresh loader"
+    )
 
     model = tiny_model(vocab)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -157,10 +183,11 @@ def train(dataset_dir: Path, work: Path, steps: int, stop_at: int, num_workers: 
     losses += run(loader, model, optimizer, stop_at, steps, seen)
     seconds = time.perf_counter() - start
 
-    reference: list[list[int]] = [b["sample_index"] for _, b in zip(range(steps), make_loader(dataset, 0),
-                                                                    strict=False)]
+    reference: list[list[int]] = [
+        b["sample_index"] for _, b in zip(range(steps), make_loader(dataset, 0), strict=False)
+    ]
     check = exactly_once(seen, reference, len(dataset))
-    first, last = np.mean(losses[: steps // 10]), np.mean(losses[-(steps // 10):])
+    first, last = np.mean(losses[: steps // 10]), np.mean(losses[-(steps // 10) :])
     log(f"== loss {first:.3f} -> {last:.3f} over {steps} steps ({seconds:.0f} s)")
     log(f"== exactly-once: {check['message']}")
     return {"losses": losses, "first_loss": first, "last_loss": last, **check}
@@ -175,11 +202,18 @@ def exactly_once(seen: list[list[int]], reference: list[list[int]], size: int) -
     missing = sum(size - len(set(e)) for e in full)
     same = seen == reference
     ok = same and duplicates == 0 and missing == 0
-    message = (f"{'PASSED' if ok else 'FAILED'}: {len(flat)} windows consumed over {len(full)} full epoch(s) "
-               f"and a partial one; duplicates within an epoch {duplicates}, missing {missing}; "
-               f"resumed stream {'identical to' if same else 'DIFFERENT from'} the uninterrupted one")
-    return {"ok": ok, "duplicates": duplicates, "missing": missing, "same_as_uninterrupted": same,
-            "message": message}
+    message = (
+        f"{'PASSED' if ok else 'FAILED'}: {len(flat)} windows consumed over {len(full)} full epoch(s) "
+        f"and a partial one; duplicates within an epoch {duplicates}, missing {missing}; "
+        f"resumed stream {'identical to' if same else 'DIFFERENT from'} the uninterrupted one"
+    )
+    return {
+        "ok": ok,
+        "duplicates": duplicates,
+        "missing": missing,
+        "same_as_uninterrupted": same,
+        "message": message,
+    }
 
 
 def save_weights(path: Path, model: Any, optimizer: Any) -> None:
@@ -197,7 +231,9 @@ def load_weights(path: Path, model: Any, optimizer: Any) -> None:
     import torch
 
     with np.load(path, allow_pickle=False) as data:
-        model.load_state_dict({k[6:]: torch.from_numpy(data[k]) for k in data.files if k.startswith("model.")})
+        model.load_state_dict(
+            {k[6:]: torch.from_numpy(data[k]) for k in data.files if k.startswith("model.")}
+        )
         state: dict[int, dict[str, Any]] = {}
         for key in data.files:
             if key.startswith("opt."):
@@ -207,8 +243,13 @@ def load_weights(path: Path, model: Any, optimizer: Any) -> None:
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def run_demo(out: Path, steps: int = 300, stop_at: int = 150, num_workers: int = 2,
-             log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_demo(
+    out: Path,
+    steps: int = 300,
+    stop_at: int = 150,
+    num_workers: int = 2,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     preprocess_all(out, log)
     result = train(out / "instruction", out, steps, stop_at, num_workers, log)

@@ -79,13 +79,17 @@ class RecordMasker:
             return None
         if source.mask_key:
             return source.mask_key
-        return f"{key}_mask" if _needs_mask(source.sections) and _can_train(source.sections) else None
+        return (
+            f"{key}_mask" if _needs_mask(source.sections) and _can_train(source.sections) else None
+        )
 
     # --- processing ----------------------------------------------------------------------
     def process(self, data: dict | Record, source: str = "<record>", line: int = 0) -> Output:
         record = data if isinstance(data, Record) else Record(source, line, data)
         if not isinstance(record.data, dict):
-            raise RecordError(record.source, record.line, None, "expected a JSON object", "not_object")
+            raise RecordError(
+                record.source, record.line, None, "expected a JSON object", "not_object"
+            )
         counter = [0]
         try:
             out = self._outputs(record, counter)
@@ -104,8 +108,13 @@ class RecordMasker:
             if self.single_needs_mask():
                 out["loss_mask"] = mask
             if _can_train(self.config.input.sections) and not mask.any():
-                raise RecordError(record.source, record.line, self.config.input.sections[0].field,
-                                  "no token is trained after masking and truncation", "no_trained_tokens")
+                raise RecordError(
+                    record.source,
+                    record.line,
+                    self.config.input.sections[0].field,
+                    "no token is trained after masking and truncation",
+                    "no_trained_tokens",
+                )
             if self.config.output.position_ids_mode != "none":
                 out["position_ids"] = np.arange(len(ids), dtype=np.int32)
         else:
@@ -126,18 +135,32 @@ class RecordMasker:
             if source.list_field:
                 items = get_field(record, section.field)
                 if not isinstance(items, list):
-                    raise RecordError(record.source, record.line, section.field,
-                                      f"expected a list, got {type(items).__name__}", "wrong_type")
+                    raise RecordError(
+                        record.source,
+                        record.line,
+                        section.field,
+                        f"expected a list, got {type(items).__name__}",
+                        "wrong_type",
+                    )
                 if not items:
-                    raise RecordError(record.source, record.line, section.field, "empty group", "empty")
-                pairs = [self._one(record, section, f"{section.field}[{j}]", item, True, counter)
-                         for j, item in enumerate(items)]
+                    raise RecordError(
+                        record.source, record.line, section.field, "empty group", "empty"
+                    )
+                pairs = [
+                    self._one(record, section, f"{section.field}[{j}]", item, True, counter)
+                    for j, item in enumerate(items)
+                ]
                 pairs = [self._truncate(ids, mask) for ids, mask in pairs]
                 out[key] = [ids for ids, _ in pairs]
                 masks = [mask for _, mask in pairs]
                 if _can_train(source.sections) and not all(m.any() for m in masks):
-                    raise RecordError(record.source, record.line, section.field,
-                                      "an item trains no token", "no_trained_tokens")
+                    raise RecordError(
+                        record.source,
+                        record.line,
+                        section.field,
+                        "an item trains no token",
+                        "no_trained_tokens",
+                    )
                 if mask_key:
                     out[mask_key] = masks
                 group_sizes[key] = len(items)
@@ -146,18 +169,30 @@ class RecordMasker:
                 ids, mask = self._truncate(ids, mask)
                 out[key] = ids
                 if _can_train(source.sections) and not mask.any():
-                    raise RecordError(record.source, record.line, source.sections[0].field,
-                                      "no token is trained after masking and truncation", "no_trained_tokens")
+                    raise RecordError(
+                        record.source,
+                        record.line,
+                        source.sections[0].field,
+                        "no token is trained after masking and truncation",
+                        "no_trained_tokens",
+                    )
                 if mask_key:
                     out[mask_key] = mask
         for vkey, vals in values.items():
             for gkey, size in group_sizes.items():
                 if len(vals) != size:
-                    raise RecordError(record.source, record.line, vkey,
-                                      f"{len(vals)} values for {size} items of {gkey!r}", "bad_value")
+                    raise RecordError(
+                        record.source,
+                        record.line,
+                        vkey,
+                        f"{len(vals)} values for {size} items of {gkey!r}",
+                        "bad_value",
+                    )
         return out
 
-    def _sections(self, record: Record, sections: list[Section], counter: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _sections(
+        self, record: Record, sections: list[Section], counter: list[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
         ids_parts, mask_parts = [], []
         for i, section in enumerate(sections):
             value = get_field(record, section.field)
@@ -168,8 +203,15 @@ class RecordMasker:
         mask = np.concatenate(mask_parts).astype(bool, copy=False)
         return ids, mask
 
-    def _one(self, record: Record, section: Section, field: str, value: Any, first: bool,
-             counter: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def _one(
+        self,
+        record: Record,
+        section: Section,
+        field: str,
+        value: Any,
+        first: bool,
+        counter: list[int],
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Tokens and mask of one section value (a chat or a text)."""
         if section.template:
             messages = check_messages(record, field, value, self.roles)
@@ -179,27 +221,55 @@ class RecordMasker:
                 actions = [section.action == "train"] * len(messages)
             counter[0] += sum(len(m["content"]) for m in messages)
             try:
-                ids, mask = render_conversation(self.bundle, messages, actions,
-                                                add_generation_prompt=section.generation_prompt)
-            except (ValueError, TypeError, KeyError, AttributeError, IndexError, jinja2.TemplateError) as err:
+                ids, mask = render_conversation(
+                    self.bundle, messages, actions, add_generation_prompt=section.generation_prompt
+                )
+            except (
+                ValueError,
+                TypeError,
+                KeyError,
+                AttributeError,
+                IndexError,
+                jinja2.TemplateError,
+            ) as err:
                 # raise_exception() in a template, or a template tripping over odd message fields
-                raise RecordError(record.source, record.line, field, f"chat template: {err}",
-                                  "template_error") from None
-            if not first and self.bundle.bos_id is not None and len(ids) and ids[0] == self.bundle.bos_id:
+                raise RecordError(
+                    record.source, record.line, field, f"chat template: {err}", "template_error"
+                ) from None
+            if (
+                not first
+                and self.bundle.bos_id is not None
+                and len(ids)
+                and ids[0] == self.bundle.bos_id
+            ):
                 ids, mask = ids[1:], mask[1:]  # one BOS per record: only the first section's
         else:
             if not isinstance(value, str):
-                raise RecordError(record.source, record.line, field,
-                                  f"expected a string, got {type(value).__name__}", "wrong_type")
+                raise RecordError(
+                    record.source,
+                    record.line,
+                    field,
+                    f"expected a string, got {type(value).__name__}",
+                    "wrong_type",
+                )
             counter[0] += len(value)
-            add_special = section.add_special_tokens if section.add_special_tokens is not None else first
+            add_special = (
+                section.add_special_tokens if section.add_special_tokens is not None else first
+            )
             ids = encode_text(self.bundle, value, add_special_tokens=add_special)
             mask = np.full(len(ids), section.action == "train", dtype=bool)
-            if add_special and self.bundle.bos_id is not None and len(ids) and ids[0] == self.bundle.bos_id:
+            if (
+                add_special
+                and self.bundle.bos_id is not None
+                and len(ids)
+                and ids[0] == self.bundle.bos_id
+            ):
                 mask[0] = False
         if section.eos:
             if self.bundle.eos_id is None:
-                raise ValueError(f"section {section.field!r} asks for eos but the tokenizer has no eos token")
+                raise ValueError(
+                    f"section {section.field!r} asks for eos but the tokenizer has no eos token"
+                )
             ids = np.append(ids, np.int32(self.bundle.eos_id))
             mask = np.append(mask, section.action != "mask")
         return ids.astype(np.int32, copy=False), mask
@@ -210,10 +280,17 @@ class RecordMasker:
         for j, v in enumerate(items):
             where = f"{section.field}[{j}]" if isinstance(value, list) else section.field
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise RecordError(record.source, record.line, where,
-                                  f"expected a number, got {type(v).__name__}", "wrong_type")
+                raise RecordError(
+                    record.source,
+                    record.line,
+                    where,
+                    f"expected a number, got {type(v).__name__}",
+                    "wrong_type",
+                )
             if not math.isfinite(v):
-                raise RecordError(record.source, record.line, where, f"not a finite number: {v}", "bad_value")
+                raise RecordError(
+                    record.source, record.line, where, f"not a finite number: {v}", "bad_value"
+                )
         return np.asarray(items, dtype=np.float32)
 
     def _truncate(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -225,17 +302,29 @@ class RecordMasker:
             return ids[:limit], mask[:limit]
         bos = self.bundle.bos_id
         if bos is not None and ids[0] == bos and limit > 1:
-            return np.concatenate([ids[:1], ids[-(limit - 1):]]), np.concatenate([[False], mask[-(limit - 1):]])
+            return np.concatenate([ids[:1], ids[-(limit - 1) :]]), np.concatenate(
+                [[False], mask[-(limit - 1) :]]
+            )
         return ids[-limit:], mask[-limit:]
 
     def _check_chars(self, record: Record, chars: int) -> None:
         pre = self.config.preprocessing
         if chars < pre.min_chars:
-            raise RecordError(record.source, record.line, None,
-                              f"{chars} characters, fewer than min_chars={pre.min_chars}", "too_short")
+            raise RecordError(
+                record.source,
+                record.line,
+                None,
+                f"{chars} characters, fewer than min_chars={pre.min_chars}",
+                "too_short",
+            )
         if chars > pre.max_chars:
-            raise RecordError(record.source, record.line, None,
-                              f"{chars} characters, more than max_chars={pre.max_chars}", "too_long")
+            raise RecordError(
+                record.source,
+                record.line,
+                None,
+                f"{chars} characters, more than max_chars={pre.max_chars}",
+                "too_long",
+            )
 
 
 def _needs_mask(sections: list[Section]) -> bool:

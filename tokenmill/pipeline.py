@@ -103,12 +103,16 @@ class Pipeline:
         summary.seconds = time.perf_counter() - start
         if rejects:
             _write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
-        write_manifest(self.output_dir, self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id))
+        write_manifest(
+            self.output_dir,
+            self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id),
+        )
         journal.remove()
         return summary
 
-    def _write(self, files: list[InputPath], masker: RecordMasker, journal: Journal,
-               state: ResumeState) -> dict[str, list[dict]]:
+    def _write(
+        self, files: list[InputPath], masker: RecordMasker, journal: Journal, state: ResumeState
+    ) -> dict[str, list[dict]]:
         """Consumes every chunk's result in order; returns each domain's published shard infos."""
         writers = {d: self._writer(d, masker, len(infos)) for d, infos in state.published.items()}
         for d, infos in state.published.items():
@@ -131,9 +135,14 @@ class Pipeline:
             if bar is not None:
                 bar.close()
 
-    def _results(self, files: list[InputPath], chunks_done: int) -> Generator[ChunkResult, None, None]:
-        chunks: Iterator[Chunk] = (c for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
-                                   if c.index >= chunks_done)
+    def _results(
+        self, files: list[InputPath], chunks_done: int
+    ) -> Generator[ChunkResult, None, None]:
+        chunks: Iterator[Chunk] = (
+            c
+            for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
+            if c.index >= chunks_done
+        )
         args = (self.config.model_dump(mode="json"), self.tokenizer_path)
         if self.engine == "ray":
             from tokenmill.ray_engine import ray_results
@@ -148,8 +157,12 @@ class Pipeline:
                 yield process_chunk(chunk)
             return
         chunks = chain(first, chunks)
-        ctx = get_context("spawn")  # safe beside a parent that already runs torch or tokenizer threads
-        with ProcessPoolExecutor(workers, mp_context=ctx, initializer=setup_worker, initargs=args) as pool:
+        ctx = get_context(
+            "spawn"
+        )  # safe beside a parent that already runs torch or tokenizer threads
+        with ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=setup_worker, initargs=args
+        ) as pool:
             pending: deque[Future[ChunkResult]] = deque()
             for chunk in chunks:
                 pending.append(pool.submit(process_chunk, chunk))
@@ -158,27 +171,59 @@ class Pipeline:
             while pending:
                 yield pending.popleft().result()
 
-    def _consume(self, result: ChunkResult, masker: RecordMasker, writers: dict[str, Any],
-                 state: ResumeState, bar: Any, journal: Journal) -> None:
+    def _consume(
+        self,
+        result: ChunkResult,
+        masker: RecordMasker,
+        writers: dict[str, Any],
+        state: ResumeState,
+        bar: Any,
+        journal: Journal,
+    ) -> None:
         """Counts a chunk, journals it, then hands its rows to the writers (minus rows already on disk)."""
         summary, skip_rows = state.summary, state.skip_rows
         errors: list[dict[str, Any]] = []
         for err in result.errors:
             if self.on_error == "raise" and err.reason not in FILTER_REASONS:
                 raise err
-            errors.append({"source": err.source, "line": err.line, "field": err.field,
-                           "reason": err.reason, "message": err.message, "text": str(err)})
-        counts = {"records_read": result.records_read, "records_written": result.records_written,
-                  "rows": len(result.rows), "dropped_tokens": result.dropped_tokens,
-                  "tokens": result.tokens, "trained_tokens": result.trained_tokens}
+            errors.append(
+                {
+                    "source": err.source,
+                    "line": err.line,
+                    "field": err.field,
+                    "reason": err.reason,
+                    "message": err.message,
+                    "text": str(err),
+                }
+            )
+        counts = {
+            "records_read": result.records_read,
+            "records_written": result.records_written,
+            "rows": len(result.rows),
+            "dropped_tokens": result.dropped_tokens,
+            "tokens": result.tokens,
+            "trained_tokens": result.trained_tokens,
+        }
         rows_per_domain: dict[str, int] = {}
         for domain, _ in result.rows:
             rows_per_domain[domain] = rows_per_domain.get(domain, 0) + 1
         journal.append(result.index, rows_per_domain, counts, errors)
         for err_line in errors:
             summary.count_error(err_line["reason"], err_line["text"])
-            state.rejects.append(orjson.dumps({k: err_line[k] for k in ("source", "line", "field", "reason", "message")}) + b"\n")
-        for name in ("records_read", "records_written", "rows", "dropped_tokens", "tokens", "trained_tokens"):
+            state.rejects.append(
+                orjson.dumps(
+                    {k: err_line[k] for k in ("source", "line", "field", "reason", "message")}
+                )
+                + b"\n"
+            )
+        for name in (
+            "records_read",
+            "records_written",
+            "rows",
+            "dropped_tokens",
+            "tokens",
+            "trained_tokens",
+        ):
             setattr(summary, name, getattr(summary, name) + counts[name])
         for domain, row in result.rows:
             if skip_rows.get(domain, 0) > 0:
@@ -199,14 +244,31 @@ class Pipeline:
         if self.engine == "ray":
             from tokenmill.ray_engine import RayShardWriter
 
-            return RayShardWriter(self._ray, domain_dir, masker.dtypes(), masker.primary_key(),
-                                  out.max_tokens_per_shard, out.storage_format, first_index=first_index)
-        return ShardWriter(domain_dir, masker.dtypes(), masker.primary_key(), out.max_tokens_per_shard,
-                           out.storage_format, first_index=first_index)
+            return RayShardWriter(
+                self._ray,
+                domain_dir,
+                masker.dtypes(),
+                masker.primary_key(),
+                out.max_tokens_per_shard,
+                out.storage_format,
+                first_index=first_index,
+            )
+        return ShardWriter(
+            domain_dir,
+            masker.dtypes(),
+            masker.primary_key(),
+            out.max_tokens_per_shard,
+            out.storage_format,
+            first_index=first_index,
+        )
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:
-        return _sha256(orjson.dumps([self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]).decode())
+        return _sha256(
+            orjson.dumps(
+                [self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]
+            ).decode()
+        )
 
     def _prepare_output(self, run_id: str, inputs: list[list]) -> Summary | None:
         """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""
@@ -224,7 +286,9 @@ class Pipeline:
             return None  # an interrupted run of this same job: resume it
         changed = Journal.changed_inputs(out, inputs) if manifest is None else []
         why = f" (an interrupted run of another job: {'; '.join(changed)})" if changed else ""
-        raise FileExistsError(f"{out} holds other data{why}; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(
+            f"{out} holds other data{why}; pass overwrite=True (--overwrite) to replace it"
+        )
 
     def _remove_published(self, writers: dict[str, ShardWriter]) -> None:
         for domain in writers:
@@ -234,8 +298,15 @@ class Pipeline:
             for part in domain_dir.glob("part_*.jsonl"):
                 part.unlink(missing_ok=True)
 
-    def _manifest(self, tokenizer_fp: str, masker: RecordMasker, domains: dict[str, list[dict]],
-                  summary: Summary, files: list[InputPath], run_id: str) -> dict:
+    def _manifest(
+        self,
+        tokenizer_fp: str,
+        masker: RecordMasker,
+        domains: dict[str, list[dict]],
+        summary: Summary,
+        files: list[InputPath],
+        run_id: str,
+    ) -> dict:
         config_fp = self.config.fingerprint()
         return {
             "format_version": 1,

@@ -248,5 +248,13 @@ def _is_jsonl(path: str) -> bool:
     return input_suffix(path).startswith(".jsonl")
 
 
-__all__ = ["FileScan", "Segment", "ChunkPlan", "scan_file", "plan_chunks", "work_units", "read_chunk",
-           "SegmentReader"]
+__all__ = [
+    "FileScan",
+    "Segment",
+    "ChunkPlan",
+    "scan_file",
+    "plan_chunks",
+    "work_units",
+    "read_chunk",
+    "SegmentReader",
+]

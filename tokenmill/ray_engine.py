@@ -83,8 +83,11 @@ class ChunkWorker:
                     result = process_chunk(read_chunk(plan, reader), self.masker)
                     rows = ChunkRows([row for _, row in result.rows])
                     result.rows = [(domain, None) for domain, _ in result.rows]
-                    yield {"index": np.array([plan.index]), "meta": _objects([result]),
-                           "rows": _objects([rows])}
+                    yield {
+                        "index": np.array([plan.index]),
+                        "meta": _objects([result]),
+                        "rows": _objects([rows]),
+                    }
         finally:
             reader.close()
 
@@ -134,8 +137,11 @@ def ray_results(
     config = PipelineConfig.from_dict(args[0])
     pre = config.preprocessing
     with _data_context(ray):
-        plans = (p for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
-                 if p.index >= first_chunk)
+        plans = (
+            p
+            for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
+            if p.index >= first_chunk
+        )
         units = list(work_units(plans))
         if not units:
             return
@@ -168,8 +174,11 @@ def _in_order(ray: ModuleType, results: Any, first: int, end: int) -> Iterator[C
             where = []
         return block if here in where else remote_metas.remote(block)
 
-    blocks = ((block, metas(block))
-              for bundle in results.iter_internal_ref_bundles() for block in bundle.block_refs)
+    blocks = (
+        (block, metas(block))
+        for bundle in results.iter_internal_ref_bundles()
+        for block in bundle.block_refs
+    )
     expected = first
     for block, future in _ahead(blocks, 2):
         got = ray.get(future)
@@ -178,8 +187,10 @@ def _in_order(ray: ModuleType, results: Any, first: int, end: int) -> Iterator[C
                 continue
             if index != expected:
                 raise RuntimeError(f"Ray returned chunk {index} where chunk {expected} was due")
-            meta.rows = [(domain, RowRef(block, row, j, tokens))
-                         for j, ((domain, _), tokens) in enumerate(zip(meta.rows, meta.sizes))]
+            meta.rows = [
+                (domain, RowRef(block, row, j, tokens))
+                for j, ((domain, _), tokens) in enumerate(zip(meta.rows, meta.sizes))
+            ]
             expected += 1
             yield meta
     if expected != end:
@@ -217,8 +228,11 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
     of its own, Python-object columns without a warning (ours are objects on purpose)."""
     context = ray.data.DataContext.get_current()
     options = context.execution_options
-    wanted = {"enable_progress_bars": False, "print_on_execution_start": False,
-              "enable_fallback_to_arrow_object_ext_type": True}
+    wanted = {
+        "enable_progress_bars": False,
+        "print_on_execution_start": False,
+        "enable_fallback_to_arrow_object_ext_type": True,
+    }
     saved = {name: getattr(context, name) for name in wanted}, options.preserve_order
     for name, value in wanted.items():
         setattr(context, name, value)
@@ -248,8 +262,13 @@ def pool_size(cpus: float, workers: int | None) -> tuple[int, float]:
 
 
 def write_rows(
-    domain_dir: str, index: int, where: list[tuple[int, int, int]], dtypes: dict[str, str],
-    primary_key: str, storage_format: str, *blocks: Any,
+    domain_dir: str,
+    index: int,
+    where: list[tuple[int, int, int]],
+    dtypes: dict[str, str],
+    primary_key: str,
+    storage_format: str,
+    *blocks: Any,
 ) -> tuple[str, dict]:
     """A Ray task: gathers shard `index`'s rows from the blocks that hold them and stages it
     with the local ShardWriter (temp place, fsynced, checksummed); the driver publishes it."""
@@ -271,9 +290,17 @@ class RayShardWriter:
     ShardCutter; a Ray task writes each shard's temp copy; the driver renames them into place in
     index order, so the published shards of a domain are always a prefix (what resume relies on)."""
 
-    def __init__(self, ray: ModuleType, domain_dir: Path, dtypes: dict[str, str], primary_key: str,
-                 max_tokens_per_shard: int, storage_format: str = "bin", first_index: int = 0,
-                 in_flight: int = 4):
+    def __init__(
+        self,
+        ray: ModuleType,
+        domain_dir: Path,
+        dtypes: dict[str, str],
+        primary_key: str,
+        max_tokens_per_shard: int,
+        storage_format: str = "bin",
+        first_index: int = 0,
+        in_flight: int = 4,
+    ):
         self.ray, self.domain_dir, self.dtypes = ray, Path(domain_dir), dtypes
         self.primary_key, self.storage_format = primary_key, storage_format
         self.index, self.in_flight = first_index, in_flight
@@ -301,8 +328,15 @@ class RayShardWriter:
         name = shard_name(self.index, self.storage_format)
         blocks: dict[Any, int] = {}
         where = [(blocks.setdefault(r.block, len(blocks)), r.row, r.item) for r in self.rows]
-        future = self.task.remote(str(self.domain_dir), self.index, where, self.dtypes,
-                                  self.primary_key, self.storage_format, *blocks)
+        future = self.task.remote(
+            str(self.domain_dir),
+            self.index,
+            where,
+            self.dtypes,
+            self.primary_key,
+            self.storage_format,
+            *blocks,
+        )
         self.pending.append((name, future))
         self.written.append(name)
         self.index += 1

@@ -76,7 +76,11 @@ def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:
     total = 0
     for key in mask_keys:
         v = row[key]
-        total += sum(int(np.count_nonzero(m)) for m in v) if isinstance(v, list) else int(np.count_nonzero(v))
+        total += (
+            sum(int(np.count_nonzero(m)) for m in v)
+            if isinstance(v, list)
+            else int(np.count_nonzero(v))
+        )
     return total
 
 
@@ -116,14 +120,19 @@ class Journal:
             return []
         before = {row[0]: row[1:] for row in orjson.loads(path.read_bytes())}
         now = {row[0]: row[1:] for row in inputs}
-        changed = [f"{name} changed since (bytes {before[name][0]} -> {now[name][0]}, stamp "
-                   f"{before[name][1]} -> {now[name][1]})" for name in now
-                   if name in before and before[name] != now[name]]
+        changed = [
+            f"{name} changed since (bytes {before[name][0]} -> {now[name][0]}, stamp "
+            f"{before[name][1]} -> {now[name][1]})"
+            for name in now
+            if name in before and before[name] != now[name]
+        ]
         changed += [f"{name} is new" for name in now if name not in before]
         changed += [f"{name} is gone" for name in before if name not in now]
         return changed or ["same inputs; the config, tokenizer or --on-error differ"]
 
-    def append(self, chunk: int, rows: dict[str, int], counts: dict[str, int], errors: list[dict]) -> None:
+    def append(
+        self, chunk: int, rows: dict[str, int], counts: dict[str, int], errors: list[dict]
+    ) -> None:
         line = {"chunk": chunk, "rows": rows, "counts": counts, "errors": errors}
         self._file.write(orjson.dumps(line) + b"\n")
         self._file.flush()
@@ -139,7 +148,10 @@ class Journal:
         if not entries:
             return state
         domains = sorted({d for e in entries for d in e["rows"]})
-        on_disk = {d: published_shards(Path(output_dir) / d if d else Path(output_dir), primary) for d in domains}
+        on_disk = {
+            d: published_shards(Path(output_dir) / d if d else Path(output_dir), primary)
+            for d in domains
+        }
         published = {d: sum(info["records"] for info in infos) for d, infos in on_disk.items()}
         cum = dict.fromkeys(domains, 0)
         done = 0
@@ -155,8 +167,10 @@ class Journal:
         state.skip_rows = {d: published[d] - cum[d] for d in domains if published[d] > cum[d]}
         total = {d: sum(e["rows"].get(d, 0) for e in entries) for d in domains}
         if any(published[d] > total[d] for d in domains):
-            raise ValueError(f"{output_dir}: shards hold more rows than the run journal knows; "
-                             "cannot resume, pass --overwrite to start again")
+            raise ValueError(
+                f"{output_dir}: shards hold more rows than the run journal knows; "
+                "cannot resume, pass --overwrite to start again"
+            )
         # keep only the journal lines of chunks that will not be processed again
         self._file.close()
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -185,7 +199,10 @@ def _replay(state: ResumeState, entry: dict) -> None:
     s.dropped_tokens += c["dropped_tokens"]
     for err in entry["errors"]:
         s.count_error(err["reason"], err["text"])
-        state.rejects.append(orjson.dumps({k: err[k] for k in ("source", "line", "field", "reason", "message")}) + b"\n")
+        state.rejects.append(
+            orjson.dumps({k: err[k] for k in ("source", "line", "field", "reason", "message")})
+            + b"\n"
+        )
 
 
 def published_shards(domain_dir: Path, primary: str) -> list[dict]:
@@ -199,15 +216,28 @@ def published_shards(domain_dir: Path, primary: str) -> list[dict]:
         if shard.parent != domain_dir:
             continue
         meta = read_meta(shard)
-        infos.append({"name": shard.name, "records": shard_records(meta),
-                      "tokens": meta[primary]["shape"][0], "keys": list(meta)})
+        infos.append(
+            {
+                "name": shard.name,
+                "records": shard_records(meta),
+                "tokens": meta[primary]["shape"][0],
+                "keys": list(meta),
+            }
+        )
     for part in sorted(domain_dir.glob("part_*.jsonl")):
         import xxhash
 
         data = part.read_bytes()
         lines = data.splitlines()
         tokens = sum(row_tokens(orjson.loads(line)[primary]) for line in lines)
-        infos.append({"name": part.name, "records": len(lines), "tokens": tokens,
-                      "keys": list(orjson.loads(lines[0])) if lines else [],
-                      "nbytes": len(data), "xxh64": xxhash.xxh64(data).hexdigest()})
+        infos.append(
+            {
+                "name": part.name,
+                "records": len(lines),
+                "tokens": tokens,
+                "keys": list(orjson.loads(lines[0])) if lines else [],
+                "nbytes": len(data),
+                "xxh64": xxhash.xxh64(data).hexdigest(),
+            }
+        )
     return infos

@@ -103,13 +103,22 @@ def check_state(owner: str, state: dict, expected: dict[str, Any]) -> None:
 
 def order_setup(owner: Any) -> dict[str, Any]:
     """What an order's state is valid under (checked on load): seed, shuffle, drop_last, data."""
-    return {"seed": owner.seed, "shuffle": owner.shuffle, "drop_last": owner.drop_last,
-            "fingerprint": owner.fingerprint}
+    return {
+        "seed": owner.seed,
+        "shuffle": owner.shuffle,
+        "drop_last": owner.drop_last,
+        "fingerprint": owner.fingerprint,
+    }
 
 
 def order_state(owner: Any) -> dict[str, Any]:
     """The resume state of an epoch order: its setup, the epoch, and the global consumed count."""
-    return {"version": STATE_VERSION, **order_setup(owner), "epoch": owner.epoch, "consumed": owner.consumed}
+    return {
+        "version": STATE_VERSION,
+        **order_setup(owner),
+        "epoch": owner.epoch,
+        "consumed": owner.consumed,
+    }
 
 
 class RDSampler(Sampler[int]):

@@ -390,8 +390,13 @@ class ShardWriter:
         else:
             tmp, _ = stage_shard(final, self.buffer.build(), self.buffer.dtypes)
             extra = {}
-        info = {"name": name, "records": self.buffer.records, "tokens": self.cutter.tokens,
-                "keys": list(self.buffer.keys or []), **extra}
+        info = {
+            "name": name,
+            "records": self.buffer.records,
+            "tokens": self.cutter.tokens,
+            "keys": list(self.buffer.keys or []),
+            **extra,
+        }
         return tmp, info
 
     def _flush(self) -> None:

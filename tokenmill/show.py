@@ -21,8 +21,13 @@ GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
 PLAIN_MASKED = ("[masked]", "[/masked]")
 
 
-def render(bundle: TokenizerBundle, ids: np.ndarray, mask: np.ndarray | None, color: bool,
-           show_ids: bool = False) -> str:
+def render(
+    bundle: TokenizerBundle,
+    ids: np.ndarray,
+    mask: np.ndarray | None,
+    color: bool,
+    show_ids: bool = False,
+) -> str:
     """Decoded text; masked runs dimmed (color) or wrapped in [masked]...[/masked] (plain)."""
     ids = np.asarray(ids, dtype=np.int64)
     mask = np.ones(len(ids), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
@@ -43,10 +48,16 @@ def render(bundle: TokenizerBundle, ids: np.ndarray, mask: np.ndarray | None, co
     return "".join(out)
 
 
-def format_sample(bundle: TokenizerBundle, sample: dict[str, Any], color: bool, show_ids: bool) -> str:
+def format_sample(
+    bundle: TokenizerBundle, sample: dict[str, Any], color: bool, show_ids: bool
+) -> str:
     """Every token key of one sample, with its mask when it has one."""
+
     def mask_of(key: str) -> Any:
-        for name in ("loss_mask" if key == "sequence" else f"{key}_mask", "masks" if key == "responses" else ""):
+        for name in (
+            "loss_mask" if key == "sequence" else f"{key}_mask",
+            "masks" if key == "responses" else "",
+        ):
             if name in sample:
                 return sample[name]
         return None
@@ -57,22 +68,32 @@ def format_sample(bundle: TokenizerBundle, sample: dict[str, Any], color: bool, 
         if key in ("loss_mask", "masks", "position_ids") or key.endswith("_mask"):
             continue
         if key == "rewards":
-            lines.append(f"{BOLD if color else ''}rewards{RESET if color else ''}: {np.asarray(value).tolist()}")
+            lines.append(
+                f"{BOLD if color else ''}rewards{RESET if color else ''}: {np.asarray(value).tolist()}"
+            )
             continue
         items = value if isinstance(value, list) else [value]
         masks = mask_of(key)
         masks = masks if isinstance(masks, list) else [masks] * len(items)
         for j, (ids, mask) in enumerate(zip(items, masks, strict=True)):
             title = f"{key}[{j}]" if isinstance(value, list) else key
-            if mask is None:  # no mask key: prompts are context (never trained), anything else trains whole
+            if (
+                mask is None
+            ):  # no mask key: prompts are context (never trained), anything else trains whole
                 mask = np.full(len(ids), key != "prompts")
             m = np.asarray(mask, bool)
             trained_total += int(m.sum())
             tokens_total += len(ids)
             header = f"--- {title}: {len(ids)} tokens, {int(m.sum())} trained"
-            lines += [f"{BOLD if color else ''}{header}{RESET if color else ''}",
-                      render(bundle, np.asarray(ids), mask, color, show_ids)]
-    legend = "green = trained, dim = masked" if color else "plain = trained, [masked]...[/masked] = masked"
+            lines += [
+                f"{BOLD if color else ''}{header}{RESET if color else ''}",
+                render(bundle, np.asarray(ids), mask, color, show_ids),
+            ]
+    legend = (
+        "green = trained, dim = masked"
+        if color
+        else "plain = trained, [masked]...[/masked] = masked"
+    )
     lines.append(f"--- {trained_total} of {tokens_total} tokens trained ({legend})")
     return "\n".join(lines)
 
@@ -89,7 +110,9 @@ def sample_from_shards(root: str | Path, index: int) -> tuple[dict[str, Any], st
     return record, manifest.get("tokenizer_path")
 
 
-def sample_from_records(paths: list[str], index: int, config: PipelineConfig, bundle: TokenizerBundle) -> dict:
+def sample_from_records(
+    paths: list[str], index: int, config: PipelineConfig, bundle: TokenizerBundle
+) -> dict:
     """Record `index` (0-based, over the inputs in order) processed exactly as the pipeline would."""
     masker = RecordMasker(config, bundle)
     seen = 0
@@ -100,8 +123,14 @@ def sample_from_records(paths: list[str], index: int, config: PipelineConfig, bu
     raise IndexError(f"index {index} out of range: the inputs hold {seen} records")
 
 
-def show(target: str, index: int, tokenizer: str | None, config: PipelineConfig | None,
-         color: bool, show_ids: bool) -> str:
+def show(
+    target: str,
+    index: int,
+    tokenizer: str | None,
+    config: PipelineConfig | None,
+    color: bool,
+    show_ids: bool,
+) -> str:
     path = Path(target)
     if path.is_dir() and any(path.rglob("meta.json")):
         sample, manifest_tokenizer = sample_from_shards(path, index)
@@ -112,4 +141,6 @@ def show(target: str, index: int, tokenizer: str | None, config: PipelineConfig 
     if config is None or tokenizer is None:
         raise ValueError("raw records need a config (-c or --type) and --tokenizer")
     bundle = load_tokenizer(tokenizer)
-    return format_sample(bundle, sample_from_records([target], index, config, bundle), color, show_ids)
+    return format_sample(
+        bundle, sample_from_records([target], index, config, bundle), color, show_ids
+    )

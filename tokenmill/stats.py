@@ -56,9 +56,13 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
             info = keys.setdefault(key, {"dtype": entry["dtype"], "elements": 0})
             info["elements"] += n
             if entry["dtype"] == "bool":
-                trained[key] = trained.get(key, 0) + int(np.count_nonzero(_array(shard, f"{key}.bin", "bool", n)))
+                trained[key] = trained.get(key, 0) + int(
+                    np.count_nonzero(_array(shard, f"{key}.bin", "bool", n))
+                )
             elif key == "rewards":
-                rewards.append(np.asarray(_array(shard, f"{key}.bin", entry["dtype"], n), dtype=np.float64))
+                rewards.append(
+                    np.asarray(_array(shard, f"{key}.bin", entry["dtype"], n), dtype=np.float64)
+                )
             else:
                 lengths.setdefault(key, []).append(_record_lengths(shard, entry))
             if "items" in entry and key not in ("masks",):
@@ -78,15 +82,26 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
         out["trained_share"] = out["keys"]["loss_mask"]["trained_share"]
     if "chosen" in lengths and "rejected" in lengths:
         gap = np.concatenate(lengths["chosen"]) - np.concatenate(lengths["rejected"])
-        out["dpo_length_gap"] = {"mean": float(gap.mean()), "mean_abs": float(np.abs(gap).mean()),
-                                 "chosen_longer_share": float((gap > 0).mean())}
+        out["dpo_length_gap"] = {
+            "mean": float(gap.mean()),
+            "mean_abs": float(np.abs(gap).mean()),
+            "chosen_longer_share": float((gap > 0).mean()),
+        }
     if groups:
         sizes = np.concatenate(groups)
-        out["grpo_group_size"] = {"min": int(sizes.min()), "mean": float(sizes.mean()), "max": int(sizes.max())}
+        out["grpo_group_size"] = {
+            "min": int(sizes.min()),
+            "mean": float(sizes.mean()),
+            "max": int(sizes.max()),
+        }
     if rewards:
         r = np.concatenate(rewards)
-        out["grpo_rewards"] = {"mean": float(r.mean()), "std": float(r.std()), "min": float(r.min()),
-                               "max": float(r.max())}
+        out["grpo_rewards"] = {
+            "mean": float(r.mean()),
+            "std": float(r.std()),
+            "min": float(r.min()),
+            "max": float(r.max()),
+        }
     fill = _packing_fill(manifest, out)
     if fill is not None:
         out["packing_fill"] = fill
@@ -97,7 +112,10 @@ def _percentiles(lens: np.ndarray) -> dict[str, Any]:
     if len(lens) == 0:
         return {"p50": 0, "p90": 0, "p99": 0, "max": 0}
     values = np.percentile(lens, PERCENTILES, method="lower")
-    return {**{f"p{p}": int(v) for p, v in zip(PERCENTILES, values, strict=True)}, "max": int(lens.max())}
+    return {
+        **{f"p{p}": int(v) for p, v in zip(PERCENTILES, values, strict=True)},
+        "max": int(lens.max()),
+    }
 
 
 def _packing_fill(manifest: dict | None, stats: dict) -> float | None:
@@ -120,15 +138,25 @@ def dataset_stats(root: str | Path) -> dict[str, Any]:
     by_domain: dict[str, list[Path]] = {}
     for shard in shards:
         rel = shard.relative_to(root)
-        by_domain.setdefault(rel.parent.as_posix() if rel.parent != Path(".") else "", []).append(shard)
+        by_domain.setdefault(rel.parent.as_posix() if rel.parent != Path(".") else "", []).append(
+            shard
+        )
     domains = {d: domain_stats(s, manifest) for d, s in by_domain.items()}
     total = sum(d["records"] for d in domains.values())
     for d in domains.values():
         d["record_share"] = d["records"] / total if total else 0.0
     out: dict[str, Any] = {"path": str(root), "domains": domains}
     if manifest:
-        out["provenance"] = {k: manifest.get(k) for k in (
-            "tool", "fingerprint", "tokenizer_fingerprint", "config_fingerprint", "tokenizer_path")}
+        out["provenance"] = {
+            k: manifest.get(k)
+            for k in (
+                "tool",
+                "fingerprint",
+                "tokenizer_fingerprint",
+                "config_fingerprint",
+                "tokenizer_path",
+            )
+        }
         out["summary"] = manifest.get("summary")
     return out
 
@@ -139,19 +167,27 @@ def format_stats(stats: dict[str, Any]) -> str:
         lines.append(f"  {k:<22} {v}")
     for name, d in stats["domains"].items():
         lines.append("")
-        lines.append(f"domain {name or '(root)'}: {d['records']:,} records, {d['shards']} shard(s), "
-                     f"{d['record_share']:.1%} of records")
-        lines.append(f"  {'key':<16}{'dtype':<9}{'tokens':>14}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}{'trained':>9}")
+        lines.append(
+            f"domain {name or '(root)'}: {d['records']:,} records, {d['shards']} shard(s), "
+            f"{d['record_share']:.1%} of records"
+        )
+        lines.append(
+            f"  {'key':<16}{'dtype':<9}{'tokens':>14}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}{'trained':>9}"
+        )
         for key, row in d["keys"].items():
             share = f"{row['trained_share']:.1%}" if "trained_share" in row else ""
-            cells = "".join(f"{row[p]:>8,}" if p in row else f"{'':>8}" for p in ("p50", "p90", "p99", "max"))
+            cells = "".join(
+                f"{row[p]:>8,}" if p in row else f"{'':>8}" for p in ("p50", "p90", "p99", "max")
+            )
             lines.append(f"  {key:<16}{row['dtype']:<9}{row['tokens']:>14,}{cells}{share:>9}")
         for extra in ("trained_share", "packing_fill"):
             if extra in d:
                 lines.append(f"  {extra:<22} {d[extra]:.1%}")
         for extra in ("dpo_length_gap", "grpo_group_size", "grpo_rewards"):
             if extra in d:
-                lines.append(f"  {extra:<22} " + ", ".join(f"{k}={v:.3g}" for k, v in d[extra].items()))
+                lines.append(
+                    f"  {extra:<22} " + ", ".join(f"{k}={v:.3g}" for k, v in d[extra].items())
+                )
     return "\n".join(lines)
 
 
@@ -178,7 +214,10 @@ def plot_stats(root: str | Path, stats: dict[str, Any], path: str | Path) -> Non
     ax1.set(title="record length (tokens of the primary key)", xlabel="tokens", ylabel="records")
     ax1.legend()
     names = list(stats["domains"])
-    shares = [stats["domains"][n].get("trained_share", _mean_mask_share(stats["domains"][n])) for n in names]
+    shares = [
+        stats["domains"][n].get("trained_share", _mean_mask_share(stats["domains"][n]))
+        for n in names
+    ]
     ax2.bar([n or "(root)" for n in names], shares, color="tab:green")
     ax2.set(title="trained-token share per domain", ylim=(0, 1), ylabel="share of tokens trained")
     fig.tight_layout()

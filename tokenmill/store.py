@@ -430,8 +430,9 @@ class StoreFactory:
     """Picks the store class for a storage format name ('bin' or 'jsonl')."""
 
     @staticmethod
-    def create(storage_type: str, window_size: int | None = None, stride: int | None = None,
-               **options: Any) -> Store:
+    def create(
+        storage_type: str, window_size: int | None = None, stride: int | None = None, **options: Any
+    ) -> Store:
         classes = stores()
         if storage_type not in classes:
             raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(classes)}")

@@ -244,7 +244,9 @@ def render_conversation(
     encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int32)
     pairs = encoding.offsets
-    offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(-1, 2)
+    offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(
+        -1, 2
+    )
     first_char = offsets[:, 0]
     table = _added_table(bundle.tokenizer)
     is_control = table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
@@ -429,7 +431,10 @@ def _marker_places(
 
 
 def _span_starts(
-    text: str, located: list[tuple[int, int]], limit: int, token_starts: np.ndarray,
+    text: str,
+    located: list[tuple[int, int]],
+    limit: int,
+    token_starts: np.ndarray,
     tails: list[str] | None = None,
 ) -> list[int]:
     """Where each message's span starts: after the previous content and its end-of-turn.
@@ -452,7 +457,10 @@ def _span_starts(
 
 
 def _first_header_start(
-    text: str, messages: list[dict], located: list[tuple[int, int]], starts: list[int],
+    text: str,
+    messages: list[dict],
+    located: list[tuple[int, int]],
+    starts: list[int],
     token_starts: np.ndarray,
 ) -> int:
     """Where message 0's header starts, so the preamble before it (a default system prompt) stays masked.
@@ -474,7 +482,9 @@ def _first_header_start(
 _CONTENT_MARK = "\ue000{}\ue001"  # private-use characters: never template text
 
 
-def _marker_glue(bundle: TokenizerBundle, messages: list[dict], add_generation_prompt: bool) -> list[str] | None:
+def _marker_glue(
+    bundle: TokenizerBundle, messages: list[dict], add_generation_prompt: bool
+) -> list[str] | None:
     """The template's own text around the contents: rendered once with a marker for each content.
 
     Returns n + 1 pieces (before content 0, between contents, after the last), or None when
@@ -482,8 +492,11 @@ def _marker_glue(bundle: TokenizerBundle, messages: list[dict], add_generation_p
     """
     marks = [_CONTENT_MARK.format(k) for k in range(len(messages))]
     try:
-        probe = render_text(bundle, [{**m, "content": marks[k]} for k, m in enumerate(messages)],
-                            add_generation_prompt)
+        probe = render_text(
+            bundle,
+            [{**m, "content": marks[k]} for k, m in enumerate(messages)],
+            add_generation_prompt,
+        )
     except Exception:  # a template may refuse marker content; the search path still works
         return None
     pieces = re.split("(\ue000\\d+\ue001)", probe)
@@ -492,7 +505,9 @@ def _marker_glue(bundle: TokenizerBundle, messages: list[dict], add_generation_p
     return pieces[0::2]
 
 
-def _locate_by_glue(text: str, messages: list[dict], glue: list[str]) -> list[tuple[int, int]] | None:
+def _locate_by_glue(
+    text: str, messages: list[dict], glue: list[str]
+) -> list[tuple[int, int]] | None:
     """Content spans by walking the real rendering: glue, a visible form of the content, glue, ...
 
     Exact whenever the template's text does not depend on the content (then nothing inside a
@@ -514,14 +529,22 @@ def _locate_by_glue(text: str, messages: list[dict], glue: list[str]) -> list[tu
     return located if pos == len(text) else None
 
 
-def _probe_first_header(bundle: TokenizerBundle, messages: list[dict], glue: list[str], text: str,
-                        limit: int, token_starts: np.ndarray) -> int:
+def _probe_first_header(
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    glue: list[str],
+    text: str,
+    limit: int,
+    token_starts: np.ndarray,
+) -> int:
     """Message 0's header, learned by rendering message 0 twice (its end-of-turn + header then sit
     between the two copies); 0 when the template refuses that or the header is not found."""
     marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
     doubled = [messages[0], *messages]
     try:
-        probe = render_text(bundle, [{**m, "content": marks[k]} for k, m in enumerate(doubled)], False)
+        probe = render_text(
+            bundle, [{**m, "content": marks[k]} for k, m in enumerate(doubled)], False
+        )
     except Exception:
         return 0
     pieces = re.split("(\ue000\\d+\ue001)", probe)
@@ -539,8 +562,9 @@ def _probe_first_header(bundle: TokenizerBundle, messages: list[dict], glue: lis
     return int(token_starts[token]) if token >= 0 else at
 
 
-def _role_tails(bundle: TokenizerBundle, messages: list[dict], actions: list[bool],
-                glue: list[str]) -> list[str] | None:
+def _role_tails(
+    bundle: TokenizerBundle, messages: list[dict], actions: list[bool], glue: list[str]
+) -> list[str] | None:
     """The end-of-turn text of each message's role, where it differs from the last message's.
 
     The text after the last content shows only the last role's end-of-turn (DeepSeek's user
@@ -556,7 +580,9 @@ def _role_tails(bundle: TokenizerBundle, messages: list[dict], actions: list[boo
         marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
         probe_messages = [*messages, {"role": role, "content": ""}]
         try:
-            probe = render_text(bundle, [{**m, "content": marks[k]} for k, m in enumerate(probe_messages)], False)
+            probe = render_text(
+                bundle, [{**m, "content": marks[k]} for k, m in enumerate(probe_messages)], False
+            )
         except Exception:  # the template refuses that shape: keep the last message's tail
             continue
         pieces = re.split("(\ue000\\d+\ue001)", probe)
