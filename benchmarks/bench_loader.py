@@ -19,7 +19,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tokenmill.dataflow import DataflowLoader, MapDistributor, PackedCollator, PoolPackingBatcher
-from tokenmill.sampler import RDSampler, advance_position, epoch_order
+from tokenmill.training.sampler import RDSampler
+from tokenmill.training.state import advance_position, epoch_order
 
 WINDOW, BATCH, WINDOWS = 512, 16, 200_000
 

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from tokenmill.packing import PACKING_STRATEGIES, plan_packing
+from tokenmill.preprocess.packing import PACKING_STRATEGIES, plan_packing
 
 SIZES = (1_000, 10_000, 100_000)
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import orjson
 
-from tokenmill.config import PipelineConfig, default_config
-from tokenmill.pipeline import Pipeline
-from tokenmill.templates import load_tokenizer, render_text
+from tokenmill.preprocess.chat_template import render_text
+from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data" / "chat_sharegpt_1000.jsonl"

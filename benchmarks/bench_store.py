@@ -23,9 +23,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from tokenmill.datasets import DatasetFactory
-from tokenmill.shards import Column, ShardWriter, write_shard
-from tokenmill.store import StoreFactory
+from tokenmill.shards.format import Column
+from tokenmill.shards.writer import ShardWriter, write_shard
+from tokenmill.training.datasets import DatasetFactory
+from tokenmill.training.factory import StoreFactory
 
 KEYS = ["sequence", "loss_mask", "position_ids"]
 SFT_DTYPES = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}

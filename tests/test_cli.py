@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenmill.cli import main
+from tokenmill.tools.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -169,6 +169,6 @@ def test_bad_config_exits_2_naming_the_field(capsys, tmp_path):
 
 def test_console_script_runs():
     out = subprocess.run(
-        [sys.executable, "-m", "tokenmill.cli", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "tokenmill", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "preprocess" in out.stdout and "inspect" in out.stdout

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tokenmill.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
+from tokenmill.preprocess.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
 
 SFT = {"input": {"sections": [{"field": "messages", "template": True, "action": "$role"}]}}
 
@@ -166,7 +166,7 @@ def test_default_configs_all_validate():
 def test_docs_config_reference_is_generated_from_the_model():
     from pathlib import Path
 
-    from tokenmill.config import config_reference
+    from tokenmill.preprocess.config import config_reference
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
     assert doc.endswith(config_reference()), (

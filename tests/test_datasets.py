@@ -15,9 +15,9 @@ import torch
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
-from tokenmill.config import PipelineConfig, default_config
 from tokenmill.dataflow.collators import SFTPaddingCollator
-from tokenmill.datasets import (
+from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.training.datasets import (
     DATASETS,
     DatasetFactory,
     DPODataset,
@@ -60,7 +60,7 @@ def raw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def shards(raw: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Offline .bin datasets written by the real pipeline with each type's default config."""
-    from tokenmill.pipeline import Pipeline
+    from tokenmill.preprocess.pipeline import Pipeline
 
     out = {}
     for train_type, path in raw.items():
@@ -103,7 +103,7 @@ def assert_items_equal(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("train_type", list(INPUTS))
 def test_bin_route_gives_the_right_class_and_store(train_type: str, shards: dict[str, Path]):
-    from tokenmill.store import MmapStore
+    from tokenmill.training.mmap_store import MmapStore
 
     ds = load(train_type, shards[train_type])
     assert type(ds) is DATASETS[train_type]
@@ -135,7 +135,7 @@ def test_bin_and_raw_jsonl_routes_give_identical_items(
 def test_pipeline_jsonl_output_loads_as_pretokenized_records(
     train_type: str, shards: dict[str, Path], raw: dict[str, Path], tmp_path: Path
 ):
-    from tokenmill.pipeline import Pipeline
+    from tokenmill.preprocess.pipeline import Pipeline
 
     config = default_config(train_type).model_dump(mode="json")
     config["output"]["storage_format"] = "jsonl"

@@ -2,7 +2,7 @@
 
 import math
 
-from tokenmill.demo import run_demo
+from tokenmill.tools.demo import run_demo
 
 
 def test_demo_trains_stops_resumes_exactly_once(tmp_path):

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.config import DEFAULT_CONFIGS, PipelineConfig
-from tokenmill.pipeline import Pipeline
+from tokenmill.preprocess.config import DEFAULT_CONFIGS, PipelineConfig
+from tokenmill.preprocess.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = (ROOT / "docs" / "examples.md").read_text()

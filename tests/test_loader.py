@@ -28,7 +28,7 @@ from tokenmill.dataflow import (
     TruncateProcessor,
 )
 from tokenmill.dataflow.distributors import DataDistributor
-from tokenmill.sampler import epoch_order
+from tokenmill.training.state import epoch_order
 
 ROOT = Path(__file__).parent.parent
 

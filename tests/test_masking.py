@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from tokenmill.config import PipelineConfig, default_config
-from tokenmill.masking import RecordMasker
-from tokenmill.records import RecordError
-from tokenmill.templates import load_tokenizer
+from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.records import RecordError
+from tokenmill.preprocess.tokenizer import load_tokenizer
 
 TOK = Path(__file__).resolve().parent.parent / "data" / "tokenizers"
 QWEN = load_tokenizer(TOK / "qwen2.5")

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.packing import (
+from tokenmill.preprocess.packing import (
     PACKING_STRATEGIES,
     POSITION_IDS_MODES,
     _remainder_after_its_pieces,

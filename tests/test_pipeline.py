@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 from malformed import PIPELINE_CASES, PIPELINE_CONFIGS
 
-from tokenmill.config import PipelineConfig, default_config
-from tokenmill.masking import FILTER_REASONS
-from tokenmill.pipeline import Pipeline
-from tokenmill.records import RecordError
-from tokenmill.shards import find_shards, read_manifest
-from tokenmill.store import MmapStore
-from tokenmill.verify import verify_dataset
+from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.masking import FILTER_REASONS
+from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.records import RecordError
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.reader import find_shards
+from tokenmill.shards.verify import verify_dataset
+from tokenmill.training.mmap_store import MmapStore
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -290,7 +291,7 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "tokenmill.cli",
+        "tokenmill",
         "preprocess",
         str(src),
         "-o",
@@ -364,7 +365,7 @@ def test_jsonl_output_with_domains_resumes_and_lists_domains_in_store_order(tmp_
     Pipeline(cfg, [src], clean, QWEN, workers=1).run()
     assert list(read_manifest(clean)["domains"]) == ["aa", "zz"]
 
-    import tokenmill.shards as shards
+    import tokenmill.shards.writer as shards
 
     out, calls = tmp_path / "out", {"n": 0}
     real_flush = shards.ShardWriter._flush

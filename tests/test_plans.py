@@ -12,10 +12,10 @@ import pytest
 import zstandard
 from malformed import CASES
 
-from tokenmill import plans
-from tokenmill.chunks import iter_chunks
-from tokenmill.config import PipelineConfig
-from tokenmill.plans import plan_chunks, read_chunk, scan_file
+from tokenmill.preprocess import plans
+from tokenmill.preprocess.chunks import iter_chunks
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.plans import plan_chunks, read_chunk, scan_file
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 

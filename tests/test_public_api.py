@@ -7,6 +7,7 @@ name fails here. After an intended change, regenerate it with TOKENMILL_REGEN_GO
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,12 @@ GOLDEN = Path(__file__).parent / "golden" / "public_api.json"
 
 
 def _signature(obj) -> str:
+    """The call shape, with annotations named without the module they live in."""
     try:
-        return str(inspect.signature(obj))
+        text = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return "<no signature>"
+    return re.sub(r"\btokenmill(\.\w+)*\.(?=[A-Z])", "", text)
 
 
 def _describe(obj) -> dict:

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill import ray_engine
-from tokenmill.config import PipelineConfig, default_config
-from tokenmill.pipeline import Pipeline
-from tokenmill.ray_engine import ChunkWorker
-from tokenmill.records import RecordError
-from tokenmill.shards import find_shards, read_manifest
+from tokenmill.preprocess import ray_engine
+from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.ray_engine import ChunkWorker
+from tokenmill.preprocess.records import RecordError
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.reader import find_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"
@@ -199,7 +200,7 @@ def test_driver_killed_then_resumed(tmp_path, ray_address):
     cmd = [
         sys.executable,
         "-m",
-        "tokenmill.cli",
+        "tokenmill",
         "preprocess",
         str(src),
         "-o",

@@ -16,15 +16,9 @@ import pytest
 import zstandard
 from malformed import CASES, CHAT_ROLES, PIPELINE_CASES, RECORDS_CASES, Case
 
-from tokenmill.records import (
-    INPUT_SUFFIXES,
-    Record,
-    RecordError,
-    check_messages,
-    get_field,
-    list_inputs,
-    read_records,
-)
+from tokenmill.preprocess.fields import check_messages, get_field
+from tokenmill.preprocess.inputs import INPUT_SUFFIXES, list_inputs
+from tokenmill.preprocess.records import Record, RecordError, read_records
 
 DATA = Path(__file__).parent.parent / "data"
 

@@ -33,8 +33,8 @@ WINDOW, RECORDS = 256, 24
 
 def build_datasets(out: Path) -> None:
     """Real shards of every train type, written by the real pipeline."""
-    from tokenmill.config import DEFAULT_CONFIGS, PipelineConfig
-    from tokenmill.pipeline import Pipeline
+    from tokenmill.preprocess.config import DEFAULT_CONFIGS, PipelineConfig
+    from tokenmill.preprocess.pipeline import Pipeline
 
     for kind, source in SOURCES.items():
         config = copy.deepcopy(DEFAULT_CONFIGS[kind])
@@ -168,7 +168,7 @@ def check_elastic(dataset, kind, rank) -> None:
     """Non-packing: 2 -> 1 and 1 -> 2 ranks read each sample exactly once (padding aside)."""
     import torch.distributed as dist
 
-    from tokenmill.sampler import epoch_end, epoch_order
+    from tokenmill.training.state import epoch_end, epoch_order
 
     data, n = Indexed(dataset), len(dataset)
     order = epoch_order(n, 17, 0).tolist()
@@ -228,7 +228,7 @@ def check_refused(dataset, kind, rank) -> None:
 def main(data: Path, out: Path) -> None:
     import torch.distributed as dist
 
-    from tokenmill.datasets import DatasetFactory
+    from tokenmill.training.datasets import DatasetFactory
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from resume import ToyDataset, check_resume
 from torch.utils.data import DataLoader
 
-from tokenmill.sampler import (
-    RDSampler,
+from tokenmill.training.sampler import RDSampler
+from tokenmill.training.state import (
     advance_position,
     data_parallel_coordinates,
     epoch_end,

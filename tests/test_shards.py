@@ -12,17 +12,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from tokenmill.shards import (
-    FORMAT_VERSION,
-    Column,
-    ShardWriter,
-    find_shards,
-    read_manifest,
-    read_meta,
-    write_manifest,
-    write_shard,
-)
-from tokenmill.verify import verify_dataset
+from tokenmill.shards.format import FORMAT_VERSION, Column
+from tokenmill.shards.manifest import read_manifest, write_manifest
+from tokenmill.shards.reader import find_shards, read_meta
+from tokenmill.shards.verify import verify_dataset
+from tokenmill.shards.writer import ShardWriter, write_shard
 
 SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
 GRPO = {"prompts": "int32", "responses": "int32", "masks": "bool", "rewards": "float32"}
@@ -209,7 +203,7 @@ def test_process_killed_mid_write_leaves_only_a_temp_folder(tmp_path):
     """The kernel kills the writer (SIGXFSZ at a 64 KiB file-size limit) inside a .bin write."""
     child = textwrap.dedent(f"""
         import resource, signal, numpy as np
-        from tokenmill.shards import ShardWriter
+        from tokenmill.shards.writer import ShardWriter
         writer = ShardWriter({str(tmp_path)!r}, {{"sequence": "int32"}}, "sequence", 10**9)
         writer.add({{"sequence": np.arange(10_000)}})
         writer.close()  # the first shard is 40 KB: published

@@ -13,16 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.shards import ShardWriter, write_manifest
-from tokenmill.store import (
-    JsonlStore,
-    MmapStore,
-    StoreFactory,
-    detect_format,
-    window_bounds,
-    window_count,
-)
-from tokenmill.verify import verify_dataset
+from tokenmill.shards.manifest import write_manifest
+from tokenmill.shards.verify import verify_dataset
+from tokenmill.shards.writer import ShardWriter
+from tokenmill.training.factory import StoreFactory, detect_format
+from tokenmill.training.jsonl_store import JsonlStore
+from tokenmill.training.mmap_store import MmapStore
+from tokenmill.training.store import window_bounds, window_count
 
 ROOT = Path(__file__).parent.parent
 SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
@@ -442,9 +439,9 @@ def chats(tmp_path: Path, n: int) -> Path:
 
 
 def masker(train_type):
-    from tokenmill.config import default_config
-    from tokenmill.masking import RecordMasker
-    from tokenmill.templates import load_tokenizer
+    from tokenmill.preprocess.config import default_config
+    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.tokenizer import load_tokenizer
 
     return RecordMasker(default_config(train_type), load_tokenizer(TOKENIZER))
 
@@ -481,9 +478,9 @@ def test_jsonl_builtin_messages_transform(tmp_path):
 
 
 def test_jsonl_dataset_config_beside_the_data(tmp_path):
-    from tokenmill.config import PipelineConfig
-    from tokenmill.masking import RecordMasker
-    from tokenmill.templates import load_tokenizer
+    from tokenmill.preprocess.config import PipelineConfig
+    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.tokenizer import load_tokenizer
 
     path = chats(tmp_path, 3)
     config = {"input": {"sections": [{"field": "messages", "template": True, "action": "train"}]},

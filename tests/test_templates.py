@@ -13,12 +13,9 @@ import jinja2
 import numpy as np
 import pytest
 
-from tokenmill.templates import (
-    encode_text,
-    load_tokenizer,
-    render_conversation,
-    render_text,
-)
+from tokenmill.preprocess.chat_template import render_text
+from tokenmill.preprocess.spans import render_conversation
+from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
 
 DATA = Path(__file__).parent.parent / "data"
 FAMILIES = ["qwen2.5", "deepseek-v3", "qwen3"]

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
-from tokenmill.sampler import STATE_VERSION, check_state
+from tokenmill.training.state import STATE_VERSION, check_state
 
 __all__ = [
     "SampleBatcher",

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill.dataflow.batchers import token_count
-from tokenmill.sampler import (
+from tokenmill.training.state import (
     STATE_VERSION,
     check_state,
     data_fingerprint,

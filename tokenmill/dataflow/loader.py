@@ -21,7 +21,7 @@ from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
 from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator
 from tokenmill.dataflow.distributors import DataDistributor, worker_share
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
-from tokenmill.sampler import STATE_VERSION, check_state, data_parallel_coordinates
+from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
 
 __all__ = ["DataflowLoader", "run_roles"]
 

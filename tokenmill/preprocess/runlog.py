@@ -18,9 +18,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenmill.shards import find_shards, read_meta, row_tokens, shard_records
+from tokenmill.shards.format import row_tokens, shard_records
+from tokenmill.shards.reader import find_shards, read_meta
 
 FIRST_ERRORS_PER_REASON = 5
+
+
 STATE_DIR = ".tokenmill-run"
 
 

@@ -16,11 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.config import default_config
-from tokenmill.pipeline import Pipeline
-from tokenmill.stats import dataset_stats, format_stats
+from tokenmill.preprocess.config import default_config
+from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.tools.inspect import dataset_stats, format_stats
+from tokenmill.training.datasets import DatasetFactory
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
+
+
 INPUTS = {
     "seq": "pretrain_c4_300.jsonl",
     "instruction": "instruction_humaneval.jsonl",
@@ -28,6 +31,8 @@ INPUTS = {
     "dpo": "dpo_en_300.jsonl",
     "grpo": "grpo_from_dpo_300.jsonl",
 }
+
+
 WINDOW, BUDGET = 64, 512
 
 
@@ -128,8 +133,6 @@ def train(
 ) -> dict[str, Any]:
     """Train `stop_at` steps, save, stop; resume from the files and train to `steps`; check exactly-once."""
     import torch
-
-    from tokenmill.datasets import DatasetFactory
 
     dataset = DatasetFactory.load("sft", dataset_dir, window_size=WINDOW)
     store_ids = np.unique(dataset.store.fetch(0, dataset.store.token_count, "sequence").numpy())

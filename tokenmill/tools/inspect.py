@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.shards import find_shards, read_manifest, read_meta
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.reader import find_shards, read_meta
 
 PERCENTILES = (50, 90, 99)
 

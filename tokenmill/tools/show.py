@@ -12,12 +12,16 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.config import PipelineConfig
-from tokenmill.masking import RecordMasker
-from tokenmill.records import list_inputs, read_records
-from tokenmill.templates import TokenizerBundle, load_tokenizer
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.inputs import list_inputs
+from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.records import read_records
+from tokenmill.preprocess.tokenizer import TokenizerBundle, load_tokenizer
+from tokenmill.training.mmap_store import MmapStore
 
 GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
+
+
 PLAIN_MASKED = ("[masked]", "[/masked]")
 
 
@@ -100,7 +104,6 @@ def format_sample(
 
 def sample_from_shards(root: str | Path, index: int) -> tuple[dict[str, Any], str | None]:
     """Record `index` of a shard dataset (all keys) and the tokenizer path its manifest names."""
-    from tokenmill.store import MmapStore
 
     store = MmapStore().load(root)
     if not 0 <= index < store.num_records:

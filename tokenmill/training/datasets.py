@@ -15,15 +15,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = [
-    "BaseDataset",
-    "SEQDataset",
-    "SFTDataset",
-    "DPODataset",
-    "GRPODataset",
-    "DatasetFactory",
-    "DATASETS",
-]
+from tokenmill.preprocess.config import default_config
+from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.training.factory import StoreFactory, detect_format
 
 
 class BaseDataset(Dataset):
@@ -76,9 +72,6 @@ class BaseDataset(Dataset):
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {type(self).__name__} of {n} items")
         return index + n if index < 0 else index
-
-
-# --- stream datasets: window i of the concatenated token stream --------------------------
 
 
 class _StreamDataset(BaseDataset):
@@ -138,9 +131,6 @@ class SFTDataset(_StreamDataset):
             "loss_mask": torch.from_numpy(data["loss_mask"][1:].astype(np.bool_)),
             "position_ids": torch.from_numpy(data["position_ids"][:-1].astype(np.int64)),
         }
-
-
-# --- record datasets: record i, read by offsets ------------------------------------------
 
 
 class _RecordDataset(BaseDataset):
@@ -291,8 +281,6 @@ def _load_store(
     storage_type: str | None,
     tokenizer_path: str | Path | None,
 ) -> Any:
-    from tokenmill.shards import read_manifest
-    from tokenmill.store import StoreFactory, detect_format
 
     if storage_type is None:
         storage_type = detect_format(load_path)
@@ -309,9 +297,6 @@ def _load_store(
 
 def record_processor(train_type: str, tokenizer_path: str | Path) -> Any:
     """The lazy JSONL route: the built-in config for `train_type`, applied per record."""
-    from tokenmill.config import default_config
-    from tokenmill.masking import RecordMasker
-    from tokenmill.templates import load_tokenizer
 
     masker = RecordMasker(default_config(train_type), load_tokenizer(tokenizer_path))
     return masker.process

@@ -14,9 +14,16 @@ from typing import Literal, get_args
 import numpy as np
 
 PackingStrategy = Literal["simple", "bfd", "bfd_split"]
+
+
 PositionIdsMode = Literal["none", "doc_reset", "continuous"]
+
+
 PACKING_STRATEGIES: tuple[str, ...] = get_args(PackingStrategy)
+
+
 POSITION_IDS_MODES: tuple[str, ...] = get_args(PositionIdsMode)
+
 
 Piece = tuple[int, int, int]
 """(doc_index, start, end): the token range [start, end) of one document placed in a row."""

@@ -16,15 +16,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenmill.chunks import Chunk
-from tokenmill.records import (
-    Record,
-    RecordError,
-    input_suffix,
-    open_bytes,
-    open_parquet,
-    read_records,
-)
+from tokenmill.preprocess.chunks import Chunk
+from tokenmill.preprocess.inputs import input_suffix, open_bytes, open_parquet
+from tokenmill.preprocess.records import Record, RecordError, read_records
 
 _SKIP_BYTES = 1 << 20
 
@@ -246,15 +240,3 @@ def _seekable(path: str) -> bool:
 
 def _is_jsonl(path: str) -> bool:
     return input_suffix(path).startswith(".jsonl")
-
-
-__all__ = [
-    "FileScan",
-    "Segment",
-    "ChunkPlan",
-    "scan_file",
-    "plan_chunks",
-    "work_units",
-    "read_chunk",
-    "SegmentReader",
-]

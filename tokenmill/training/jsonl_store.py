@@ -18,8 +18,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenmill.shards import ShardBuffer, is_list_value, is_tmp, read_manifest
-from tokenmill.store import Segment, Store, Transform, _cumulative
+from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
+from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.shards.buffers import ShardBuffer
+from tokenmill.shards.format import is_list_value, is_tmp
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.training.store import Store, StorePart, Transform, cumulative
 
 
 class JsonlStore(Store):
@@ -62,7 +66,7 @@ class JsonlStore(Store):
         if not buffer.records:
             raise ValueError(f"{path}: no records to load (skipped: {self.skipped or 'none'})")
         self.fingerprint = digest.hexdigest()[:16]
-        self._set_segments([Segment(str(path), buffer.build(), buffer.records)])
+        self._set_parts([StorePart(str(path), buffer.build(), buffer.records)])
         return self
 
     # --- lazy mode: an int64 array of line positions, one record processed per fetch -----
@@ -70,7 +74,7 @@ class JsonlStore(Store):
         digest, per_file = hashlib.sha256(), []
         for f in self.files:
             per_file.append(_line_starts(f, digest))
-        self._file_starts = _cumulative([len(p) for p in per_file])
+        self._file_starts = cumulative([len(p) for p in per_file])
         self._line_pos = np.concatenate(per_file) if per_file else np.empty(0, np.int64)
         self.fingerprint = digest.hexdigest()[:16]
         self._segments = None
@@ -81,7 +85,7 @@ class JsonlStore(Store):
         """True when loaded with processor=: records are processed on fetch, no stream access."""
         return self.processor is not None
 
-    def _loaded(self) -> list[Segment]:
+    def _loaded(self) -> list[StorePart]:
         if self.processor is not None:
             raise ValueError(
                 "a JsonlStore loaded with processor= reads records only (fetch_record)"
@@ -157,22 +161,20 @@ def _choose_transform(
     folder = path if path.is_dir() else path.parent
     config_file = folder / "dataset_config.json"
     if config_file.is_file():
-        from tokenmill.config import PipelineConfig
+        from tokenmill.preprocess.config import PipelineConfig
 
         data = json.loads(config_file.read_text())
         configured = data.pop("tokenizer_path", None)
         tokenizer = tokenizer_path or (folder / configured if configured else folder)
         return _masker(PipelineConfig.from_dict(data, origin=str(config_file)), tokenizer)
     if tokenizer_path is not None:
-        from tokenmill.config import default_config
+        from tokenmill.preprocess.config import default_config
 
         return _masker(default_config("sft"), tokenizer_path)
     return _pretokenized, None
 
 
 def _masker(config: Any, tokenizer_path: str | Path) -> tuple[Callable, dict]:
-    from tokenmill.masking import RecordMasker
-    from tokenmill.templates import load_tokenizer
 
     masker = RecordMasker(config, load_tokenizer(tokenizer_path))
     return masker.process, masker.dtypes()
@@ -223,7 +225,6 @@ def _located(err: Exception, source: str, line: int) -> Exception:
 
 
 def _filter_reasons() -> tuple[str, ...]:
-    from tokenmill.masking import FILTER_REASONS
 
     return tuple(FILTER_REASONS)
 
@@ -260,6 +261,3 @@ def _nonblank_starts(buf: bytes) -> np.ndarray:
 def _line_number(path: Path, pos: int) -> int:
     with open(path, "rb") as f:
         return f.read(pos).count(b"\n") + 1
-
-
-# --- choosing a store by name ------------------------------------------------------------------

@@ -8,8 +8,6 @@ JsonlStore keeps transformed records in the same layout, or processes them lazil
 
 from __future__ import annotations
 
-import hashlib
-import json
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,18 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill.shards import (
-    DTYPES,
-    OFFSET_DTYPE,
-    Column,
-    find_shards,
-    is_tmp,
-    primary_key,
-    read_manifest,
-    read_meta,
-    shard_records,
-)
-from tokenmill.verify import verify_dataset
+from tokenmill.shards.format import Column, primary_key
 
 Transform = Callable[[dict], dict]
 
@@ -47,35 +34,13 @@ def window_bounds(i: int, window_size: int, stride: int) -> tuple[int, int]:
     return i * stride, i * stride + window_size
 
 
-def detect_format(path: str | Path) -> str:
-    """'bin' for a folder of shards, 'jsonl' for a .jsonl file or a folder of them."""
-    path = Path(path)
-    if path.is_file():
-        if path.suffix == ".jsonl":
-            return "jsonl"
-        raise ValueError(
-            f"{path}: cannot load a {path.suffix or 'suffix-less'} file; give a .jsonl file or a folder"
-        )
-    if not path.is_dir():
-        raise FileNotFoundError(f"{path}: no such file or folder")
-
-    def any_below(pattern: str) -> bool:
-        return any(not is_tmp(p.relative_to(path)) for p in path.rglob(pattern))
-
-    if any_below("*.bin") and any_below("meta.json"):
-        return "bin"
-    if any_below("*.jsonl"):
-        return "jsonl"
-    raise FileNotFoundError(f"{path}: no shards (*.bin + meta.json) and no *.jsonl files below it")
-
-
 def to_tensor(values: Any) -> torch.Tensor:
     """A writable copy of just these values (memmap slices are read-only)."""
     return torch.from_numpy(np.array(values))
 
 
 @dataclass
-class Segment:
+class StorePart:
     """One shard (or one in-memory JSONL load): its columns and record count."""
 
     name: str
@@ -94,7 +59,7 @@ class Store:
             raise ValueError("stride needs window_size")
         self.window_size = window_size
         self.stride = stride or window_size
-        self._segments: list[Segment] | None = None
+        self._segments: list[StorePart] | None = None
         self._starts: dict[str, list[int]] = {}
         self._values: dict[str, list[np.ndarray]] = {}  # key -> each segment's values
         self._shared_starts: list[int] | None = None  # set when every key has the same starts
@@ -110,7 +75,7 @@ class Store:
         raise NotImplementedError
 
     # --- layout --------------------------------------------------------------------------
-    def _set_segments(self, segments: list[Segment]) -> None:
+    def _set_parts(self, segments: list[StorePart]) -> None:
         """Checks every segment has the first one's keys and dtypes; builds cumulative starts."""
         first = segments[0].columns
         for seg in segments[1:]:
@@ -125,9 +90,9 @@ class Store:
                     )
         self._keys = list(first)
         self._starts = {
-            k: _cumulative([len(s.columns[k].values) for s in segments]) for k in self._keys
+            k: cumulative([len(s.columns[k].values) for s in segments]) for k in self._keys
         }
-        self._record_starts = _cumulative([s.records for s in segments])
+        self._record_starts = cumulative([s.records for s in segments])
         self._values = {k: [s.columns[k].values for s in segments] for k in self._keys}
         starts = list(self._starts.values())
         self._shared_starts = starts[0] if all(st == starts[0] for st in starts) else None
@@ -137,7 +102,7 @@ class Store:
                 self.token_count, self.window_size, self.stride or self.window_size
             )
 
-    def _loaded(self) -> list[Segment]:
+    def _loaded(self) -> list[StorePart]:
         if self._segments is None:
             raise RuntimeError("Store not loaded")
         return self._segments
@@ -268,12 +233,12 @@ class Store:
         return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
 
 
-def _cumulative(lengths: list[int]) -> list[int]:
+def cumulative(lengths: list[int]) -> list[int]:
     """Start of each segment and the total: bisect on this finds a position's segment (O(shards))."""
     return [0, *accumulate(int(n) for n in lengths)]
 
 
-def _record_value(seg: Segment, key: str, local: int) -> Any:
+def _record_value(seg: StorePart, key: str, local: int) -> Any:
     col = seg.columns[key]
     if col.offsets is None:
         raise ValueError(
@@ -284,161 +249,3 @@ def _record_value(seg: Segment, key: str, local: int) -> Any:
         return col.values[a:b]
     items = col.items[a : b + 1].tolist()
     return [col.values[items[j] : items[j + 1]] for j in range(b - a)]
-
-
-# --- shards on disk ---------------------------------------------------------------------------
-class MmapStore(Store):
-    """Every shard below a folder, memory-mapped read-only; opening costs O(shards), not O(records)."""
-
-    def load(
-        self,
-        path: str | Path,
-        transform: Transform | None = None,
-        processor: Transform | None = None,
-        tokenizer_path: str | Path | None = None,
-    ) -> MmapStore:
-        """Maps the shards below `path`; checks every file's size against meta.json.
-
-        `tokenizer_path` is accepted and unused: shards are already tokenized.
-        """
-        if transform is not None or processor is not None:
-            raise ValueError(
-                "MmapStore reads tokenized shards; transform= and processor= are for JsonlStore"
-            )
-        root = Path(path)
-        if not root.is_dir():
-            raise FileNotFoundError(f"{root}: not a folder of shards")
-        self.manifest = read_manifest(root)
-        shards = find_shards(root)
-        if not shards:
-            raise FileNotFoundError(f"{root}: no shard (a folder with meta.json) below it")
-        self._check_manifest(root, shards)
-        self.root = root
-        self._metas = [
-            (str(d.relative_to(root)) if d != root else ".", read_meta(d)) for d in shards
-        ]
-        self._map()
-        return self
-
-    def _check_manifest(self, root: Path, shards: list[Path]) -> None:
-        if not self.manifest:
-            return
-        listed = {
-            f"{d}/{info['name']}" if d else info["name"]
-            for d, infos in self.manifest.get("domains", {}).items()
-            for info in infos
-        }
-        found = {d.relative_to(root).as_posix() for d in shards}
-        missing = sorted(n for n in listed - found if not n.endswith(".jsonl"))
-        if missing:
-            raise ValueError(
-                f"{root}: shards listed in manifest.json are missing: {missing[:5]}; run `tokenmill verify {root}`"
-            )
-
-    def _map(self) -> None:
-        self._set_segments([_map_shard(self.root / rel, rel, meta) for rel, meta in self._metas])
-
-    @property
-    def fingerprint(self) -> str:
-        """Identity of the data: a hash over every shard's name and meta.json (sizes, checksums)."""
-        self._loaded()
-        digest = hashlib.sha256()
-        for rel, meta in self._metas:
-            digest.update(f"{rel}\n{json.dumps(meta, sort_keys=True)}\n".encode())
-        return digest.hexdigest()[:16]
-
-    def verify(self) -> list[str]:
-        """Every size, checksum and offsets problem of the dataset; [] when sound."""
-        self._loaded()
-        return verify_dataset(self.root, require_manifest=self.manifest is not None)
-
-    def __getstate__(self) -> dict:
-        """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
-        state = dict(self.__dict__)
-        if state.get("_segments") is not None:
-            state.update(_segments=None, _starts=None, _record_starts=None, _values={})
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if getattr(self, "_metas", None) is not None:
-            self._map()
-
-
-def _map_shard(shard: Path, rel: str, meta: dict) -> Segment:
-    columns = {}
-    for key, entry in meta.items():
-        values = _map_file(shard / f"{key}.bin", entry["dtype"], entry["shape"][0], key)
-        items = _map_bounds(shard, key, entry.get("items"), len(values))
-        below = len(values) if items is None else len(items) - 1
-        offsets = _map_bounds(shard, key, entry.get("offsets"), below)
-        columns[key] = Column(values, offsets, items)
-    return Segment(rel, columns, shard_records(meta))
-
-
-def _map_file(path: Path, dtype: str, count: int, key: str) -> np.ndarray:
-    """np.memmap of a flat file, after checking its size: a truncated shard fails here."""
-    expected = count * DTYPES[dtype].itemsize
-    size = path.stat().st_size if path.is_file() else None
-    if size != expected:
-        found = "missing" if size is None else f"{size} bytes"
-        raise ValueError(
-            f"{path}: key {key!r}: {found}, expected {expected} bytes ({count} x {dtype}); the shard is truncated or corrupted, run `tokenmill verify`"
-        )
-    if count == 0:
-        return np.empty(0, DTYPES[dtype])
-    # A plain ndarray view of the read-only map: slicing skips np.memmap's Python-level hooks.
-    return np.memmap(path, dtype=DTYPES[dtype], mode="r", shape=(count,)).view(np.ndarray)
-
-
-def _map_bounds(shard: Path, key: str, bounds: Any, last: int) -> np.ndarray | None:
-    """Offsets or items of a key (file or seed-style inline list), first and last value checked."""
-    if bounds is None:
-        return None
-    if isinstance(bounds, list):
-        where, values = (
-            f"{shard / 'meta.json'}: key {key!r}: inline offsets",
-            np.asarray(bounds, OFFSET_DTYPE),
-        )
-    else:
-        where = f"{shard / bounds['file']}: key {key!r}"
-        values = _map_file(shard / bounds["file"], "int64", bounds["count"], key)
-    if len(values) == 0 or values[0] != 0 or values[-1] != last:
-        ends = f"{values[0]} .. {values[-1]}" if len(values) else "nothing"
-        raise ValueError(f"{where}: runs {ends}, expected 0 .. {last}; run `tokenmill verify`")
-    return values
-
-
-# --- choosing a store by name ------------------------------------------------------------------
-STORE_OPTIONS = ("window_size", "stride")
-
-
-def stores() -> dict[str, type[Store]]:
-    """Storage format name -> store class (JsonlStore lives in jsonl_store.py, which imports this module)."""
-    from tokenmill.jsonl_store import JsonlStore
-
-    return {"bin": MmapStore, "jsonl": JsonlStore}
-
-
-def __getattr__(name: str) -> Any:
-    if name == "JsonlStore":
-        return stores()["jsonl"]
-    raise AttributeError(f"module 'tokenmill.store' has no attribute {name!r}")
-
-
-class StoreFactory:
-    """Picks the store class for a storage format name ('bin' or 'jsonl')."""
-
-    @staticmethod
-    def create(
-        storage_type: str, window_size: int | None = None, stride: int | None = None, **options: Any
-    ) -> Store:
-        classes = stores()
-        if storage_type not in classes:
-            raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(classes)}")
-        unknown = sorted(set(options) - set(STORE_OPTIONS))
-        if unknown:
-            raise TypeError(
-                f"StoreFactory.create: unknown keyword(s) {unknown}; valid: {list(STORE_OPTIONS)}"
-            )
-        return classes[storage_type](window_size=window_size, stride=stride)

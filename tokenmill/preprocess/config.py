@@ -16,16 +16,28 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tokenmill.packing import PackingStrategy, PositionIdsMode
+from tokenmill.preprocess.packing import PackingStrategy, PositionIdsMode
 
 Action = Literal["train", "mask", "$role", "value"]
+
+
 RoleAction = Literal["train", "mask"]
+
+
 TruncationMode = Literal["keep_start", "keep_end"]
+
+
 StorageFormat = Literal["bin", "jsonl"]
+
+
 Dtype = Literal[
     "bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32"
 ]
+
+
 DEFAULT_MASK: dict[str, RoleAction] = {"system": "mask", "user": "mask", "assistant": "train"}
+
+
 KNOWN_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -264,6 +276,8 @@ def default_config(train_type: str) -> PipelineConfig:
 
 
 _CHAT = {"field": "messages", "template": True, "action": "$role"}
+
+
 DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
     "seq": {"input": {"sections": [{"field": "text", "action": "train", "eos": True}]}},
     "sft": {"input": {"sections": [_CHAT]}},
@@ -333,7 +347,7 @@ def config_reference() -> str:
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for model, prefix in parts:
         for name, info in model.model_fields.items():  # type: ignore[attr-defined]
-            kind = str(info.annotation).replace("typing.", "").replace("tokenmill.config.", "")
+            kind = str(info.annotation).replace("typing.", "").replace(f"{__name__}.", "")
             kind = re.sub(r"<class '(\w+)'>", r"\1", kind).replace("|", "\\|")
             if info.is_required():
                 default = "required"

@@ -25,15 +25,20 @@ from typing import Any
 import orjson
 
 from tokenmill import __version__
-from tokenmill.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, setup_worker
-from tokenmill.config import PipelineConfig
-from tokenmill.masking import FILTER_REASONS, RecordMasker
-from tokenmill.records import InputPath, RecordError, input_identity, list_inputs
-from tokenmill.runlog import STATE_DIR, Journal, ResumeState, Summary
-from tokenmill.shards import ShardWriter, natural_key, read_manifest, write_manifest
-from tokenmill.templates import load_tokenizer
+from tokenmill.preprocess.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, setup_worker
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.inputs import InputPath, input_identity, list_inputs
+from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
+from tokenmill.preprocess.records import RecordError
+from tokenmill.preprocess.runlog import STATE_DIR, Journal, ResumeState, Summary
+from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.shards.format import natural_key
+from tokenmill.shards.manifest import read_manifest, write_manifest
+from tokenmill.shards.writer import ShardWriter
 
 ON_ERROR = ("raise", "skip")
+
+
 ENGINES = ("local", "ray")
 
 
@@ -70,7 +75,7 @@ class Pipeline:
         self.on_error = on_error
         self.engine = engine
         if engine == "ray":  # fail before touching the output folder
-            from tokenmill.ray_engine import require_ray
+            from tokenmill.preprocess.ray_engine import require_ray
 
             require_ray()
         self.overwrite = overwrite
@@ -94,7 +99,7 @@ class Pipeline:
         summary, rejects = state.summary, state.rejects
         session: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if self.engine == "ray":
-            from tokenmill.ray_engine import connect
+            from tokenmill.preprocess.ray_engine import connect
 
             session = connect(self.ray_address)
         with session as self._ray:
@@ -145,7 +150,7 @@ class Pipeline:
         )
         args = (self.config.model_dump(mode="json"), self.tokenizer_path)
         if self.engine == "ray":
-            from tokenmill.ray_engine import ray_results
+            from tokenmill.preprocess.ray_engine import ray_results
 
             yield from ray_results(self._ray, files, args, self.workers, first_chunk=chunks_done)
             return
@@ -242,7 +247,7 @@ class Pipeline:
         domain_dir = self.output_dir / domain if domain else self.output_dir
         out = self.config.output
         if self.engine == "ray":
-            from tokenmill.ray_engine import RayShardWriter
+            from tokenmill.preprocess.ray_engine import RayShardWriter
 
             return RayShardWriter(
                 self._ray,
@@ -344,6 +349,3 @@ def _progress_bar(enabled: bool) -> Any:
     from tqdm import tqdm
 
     return tqdm(unit="rec", unit_scale=True, desc="preprocess", file=sys.stderr)
-
-
-__all__ = ["Pipeline"]

@@ -12,26 +12,18 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tokenmill.shards import (
+from tokenmill.shards.files import file_checksum
+from tokenmill.shards.format import (
     DTYPES,
     OFFSET_DTYPE,
     TMP_MARK,
     bounds_count,
-    find_shards,
     is_tmp,
     primary_key,
-    read_manifest,
-    read_meta,
     shard_records,
 )
-
-
-def file_checksum(path: Path) -> str:
-    digest = xxhash.xxh64()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.reader import find_shards, read_meta
 
 
 def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:

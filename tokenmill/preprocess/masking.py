@@ -13,11 +13,14 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from tokenmill.config import PipelineConfig, Section
-from tokenmill.records import Record, RecordError, check_messages, get_field
-from tokenmill.templates import TokenizerBundle, encode_text, render_conversation
+from tokenmill.preprocess.config import PipelineConfig, Section
+from tokenmill.preprocess.fields import check_messages, get_field
+from tokenmill.preprocess.records import Record, RecordError
+from tokenmill.preprocess.spans import render_conversation
+from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 
 Output = dict[str, "np.ndarray | list[np.ndarray]"]
+
 
 # Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
 FILTER_REASONS = ("too_short", "too_long")

@@ -10,8 +10,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from tokenmill.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
-from tokenmill.records import RecordError
+from tokenmill.preprocess.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
+from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.records import RecordError
+from tokenmill.shards.verify import verify_dataset
+from tokenmill.tools.demo import run_demo
+from tokenmill.tools.inspect import dataset_stats, format_stats, plot_stats
+from tokenmill.tools.show import show
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from tokenmill.pipeline import Pipeline
 
     if bool(args.config) == bool(args.type):
         raise ValueError("give exactly one of --config and --type")
@@ -116,8 +120,6 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from tokenmill.stats import dataset_stats, format_stats, plot_stats
-
     stats = dataset_stats(args.dataset)
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     if args.plot:
@@ -127,7 +129,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from tokenmill.show import show
 
     config = None
     if args.config:
@@ -140,7 +141,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tokenmill.verify import verify_dataset
 
     problems = verify_dataset(Path(args.dataset))
     for problem in problems:
@@ -150,7 +150,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from tokenmill.demo import run_demo
 
     def log(line: str) -> None:
         print(line, flush=True)
@@ -172,6 +171,7 @@ COMMANDS = {
     "verify": cmd_verify,
     "demo": cmd_demo,
 }
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,13 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.config import PipelineConfig
-from tokenmill.masking import RecordMasker
-from tokenmill.packing import apply_packing, plan_packing, position_ids
-from tokenmill.records import InputPath, Record, RecordError, get_field, read_records
-from tokenmill.runlog import row_trained
-from tokenmill.shards import row_tokens
-from tokenmill.templates import load_tokenizer
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.fields import get_field
+from tokenmill.preprocess.inputs import InputPath
+from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
+from tokenmill.preprocess.records import Record, RecordError, read_records
+from tokenmill.preprocess.runlog import row_trained
+from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.shards.format import row_tokens
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -25,13 +25,22 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.chunks import ChunkResult, process_chunk
-from tokenmill.config import PipelineConfig
-from tokenmill.masking import RecordMasker
-from tokenmill.plans import FileScan, SegmentReader, plan_chunks, read_chunk, scan_file, work_units
-from tokenmill.records import InputPath
-from tokenmill.shards import TMP_MARK, ShardCutter, ShardWriter, publish, shard_name
-from tokenmill.templates import load_tokenizer
+from tokenmill.preprocess.chunks import ChunkResult, process_chunk
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.inputs import InputPath
+from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.plans import (
+    FileScan,
+    SegmentReader,
+    plan_chunks,
+    read_chunk,
+    scan_file,
+    work_units,
+)
+from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.shards.files import publish
+from tokenmill.shards.format import TMP_MARK, shard_name
+from tokenmill.shards.writer import ShardCutter, ShardWriter
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
 
@@ -258,9 +267,6 @@ def pool_size(cpus: float, workers: int | None) -> tuple[int, float]:
     return size, min(1.0, share)
 
 
-# ---- writing shards on the cluster -------------------------------------------------------
-
-
 def write_rows(
     domain_dir: str,
     index: int,
@@ -382,6 +388,3 @@ class RayShardWriter:
         for path in self.domain_dir.glob(f"*{TMP_MARK}*"):
             if path.name.split(TMP_MARK)[0] in names:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-
-
-__all__ = ["ray_results", "require_ray", "connect", "RayShardWriter", "pool_size"]

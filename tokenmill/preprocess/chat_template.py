@@ -1,0 +1,101 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenmill.preprocess.tokenizer import TokenizerBundle
+
+# Names a message's reasoning arrives under; templates read the first (or `thinking`).
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # Jinja's own tojson escapes HTML characters; templates expect plain JSON.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace()` that refuses underscore names, so templates cannot plant dunders."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
+
+
+@cache
+def _compile(template: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
+    env.globals["namespace"] = _Namespace
+    return env.from_string(template)
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Copy messages as transformers hands them over: None values dropped, reasoning aliased."""
+    out = []
+    for k, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(
+                f"messages[{k}]: expected a dict with role and content, got {message!r}"
+            )
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[f] for f in _REASONING_FIELDS if f in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
+
+
+def render_text(
+    bundle: TokenizerBundle, messages: list[dict], add_generation_prompt: bool = False
+) -> str:
+    """The conversation exactly as the tokenizer's own chat template renders it."""
+    if bundle.chat_template is None:
+        raise ValueError(
+            f"{bundle.path}: no chat template (tokenizer_config.json 'chat_template' "
+            "or chat_template.jinja)"
+        )
+    if not messages:
+        raise ValueError("messages: a conversation needs at least one message")
+    return _compile(bundle.chat_template).render(
+        messages=_template_messages(messages),
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **dict(bundle.special_tokens),
+    )

@@ -1,0 +1,247 @@
+"""Records: the first stage of the flow, raw files -> `Record`s that remember their origin.
+
+Reads .jsonl / .json (one object or a list) and their .gz / .zst forms, and .parquet, all
+streamed. Every bad line becomes a `RecordError` naming file, line and field; the caller either
+lets it raise or collects it with `on_error` and goes on with the next line.
+"""
+
+from __future__ import annotations
+
+import codecs
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import pyarrow as pa
+import zstandard
+
+from tokenmill.preprocess.inputs import (
+    InputPath,
+    input_suffix,
+    is_url,
+    open_bytes,
+    open_parquet,
+    source_name,
+)
+
+# Every slug a RecordError may carry; skip counts are keyed by these.
+REASONS = (
+    "bad_json", "bad_utf8", "not_object", "missing_field", "wrong_type", "empty", "unknown_role",
+    "no_trained_tokens", "bad_value", "template_error", "too_short", "too_long",
+    "truncated_file", "corrupt_file",
+)  # fmt: skip
+
+
+_PARQUET_BATCH_ROWS = 1024
+
+
+_STREAM_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError, pa.ArrowException)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One raw JSON object and where it came from (1-based line, or position in a list/Parquet)."""
+
+    source: str
+    line: int
+    data: dict
+
+
+class RecordError(ValueError):
+    """Bad input at `source:line`; `reason` is the slug skip counts are grouped by."""
+
+    def __init__(self, source: str, line: int, field: str | None, message: str, reason: str):
+        if reason not in REASONS:
+            raise ValueError(f"unknown RecordError reason {reason!r}; expected one of {REASONS}")
+        where = f"{source}:{line}: " + (f"{field}: " if field is not None else "")
+        super().__init__(where + message)
+        self.source, self.line, self.field = source, line, field
+        self.message, self.reason = message, reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross process boundaries in the pipeline; rebuild from the fields, not str(self).
+        return (type(self), (self.source, self.line, self.field, self.message, self.reason))
+
+
+OnError = Callable[[RecordError], None] | None
+
+
+def read_records(
+    path: InputPath, on_error: OnError = None, offsets: list[int] | None = None
+) -> Iterator[Record]:
+    """Stream the records of one file. Bad input raises, or goes to `on_error` and reading goes on.
+
+    A truncated or undecodable file is reported once and ends that file. For JSONL, `offsets`
+    (if given) gets the byte offset of each record's line in the decompressed stream, so that
+    a reader elsewhere can seek to it (the Ray engine's scan).
+    """
+    if not is_url(path):
+        path = Path(path)
+    suffix = input_suffix(path)
+    if suffix == ".parquet":
+        yield from _read_parquet(path, on_error)
+    elif suffix.startswith(".jsonl"):
+        yield from _read_jsonl(path, on_error, offsets)
+    else:
+        yield from _read_json(path, on_error)
+
+
+def _read_jsonl(
+    path: InputPath, on_error: OnError, offsets: list[int] | None = None
+) -> Iterator[Record]:
+    source = str(path)
+    position = 0
+    with open_bytes(path) as stream:
+        for line, raw in _numbered_lines(stream, path, on_error):
+            start, position = position, position + len(raw)
+            if line == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
+                continue
+            try:
+                data = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                err = _json_error(source, line, raw, exc, last_line=not raw.endswith(b"\n"))
+                _report(err, on_error)
+                continue
+            if not isinstance(data, dict):
+                message = f"expected a JSON object, got {type_name(data)}"
+                _report(RecordError(source, line, None, message, "not_object"), on_error)
+                continue
+            if offsets is not None:
+                offsets.append(start)
+            yield Record(source, line, data)
+
+
+def _numbered_lines(
+    stream: IO[bytes], path: InputPath, on_error: OnError
+) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) pairs; a stream that breaks is reported once and ends the file."""
+    line = 0
+    try:
+        for raw in stream:
+            line += 1
+            yield line, raw
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, line, exc), on_error)
+
+
+def _read_json(path: InputPath, on_error: OnError) -> Iterator[Record]:
+    """A .json file is one document, an object or a list of objects (line = 1-based position);
+    it is read whole, as orjson has no incremental parser."""
+    source = str(path)
+    try:
+        with open_bytes(path) as stream:
+            raw = stream.read()
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, None, exc), on_error)
+        return
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+    if not raw.strip(b" \t\r\n"):
+        return
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        _report(_json_error(source, None, raw, exc, last_line=False), on_error)
+        return
+    if isinstance(data, dict):
+        yield Record(source, 1, data)
+    elif isinstance(data, list):
+        for position, item in enumerate(data, start=1):
+            if isinstance(item, dict):
+                yield Record(source, position, item)
+            else:
+                message = f"list element: expected a JSON object, got {type_name(item)}"
+                _report(RecordError(source, position, None, message, "not_object"), on_error)
+    else:
+        message = f"expected a JSON object or a list of objects, got {type_name(data)}"
+        _report(RecordError(source, 1, None, message, "not_object"), on_error)
+
+
+def _read_parquet(path: InputPath, on_error: OnError) -> Iterator[Record]:
+    """Rows of a Parquet file, one record batch at a time (line = 1-based row)."""
+    source = str(path)
+    row = 0
+    try:
+        with open_parquet(path) as parquet:
+            for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+                for data in batch.to_pylist():
+                    row += 1
+                    yield Record(source, row, data)
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, row, exc), on_error)
+
+
+def _report(err: RecordError, on_error: OnError) -> None:
+    if on_error is None:
+        raise err
+    on_error(err)
+
+
+def _stream_error(path: InputPath, lines_done: int | None, exc: BaseException) -> RecordError:
+    """A file that cannot be read on; `lines_done` None for a .json document (no lines yet)."""
+    after = "" if lines_done is None else f", after line {lines_done}"
+    line = 1 if lines_done is None else lines_done + 1
+    if isinstance(exc, EOFError):
+        message = f"file ends early{after} (truncated .{source_name(path).rsplit('.', 1)[-1]} stream: {exc})"
+        return RecordError(str(path), line, None, message, "truncated_file")
+    return RecordError(str(path), line, None, f"cannot read the file{after}: {exc}", "corrupt_file")
+
+
+def _json_error(
+    source: str, line: int | None, raw: bytes, exc: orjson.JSONDecodeError, last_line: bool
+) -> RecordError:
+    """One orjson failure as a RecordError; `line` None means a whole .json document."""
+    if "not valid UTF-8" in exc.msg:
+        at_line, text, reason = *_utf8_error(raw), "bad_utf8"
+    else:
+        at_line, reason = exc.lineno, "bad_utf8" if "surrogate" in exc.msg else "bad_json"
+        following = exc.doc[exc.pos : exc.pos + 9] if isinstance(exc.doc, str) else ""
+        text = f"invalid JSON at column {exc.colno}: {_explain(exc.msg, following)}"
+    if last_line:
+        text = f"truncated last line (no newline at end of file): {text}"
+    return RecordError(source, line if line is not None else at_line, None, text, reason)
+
+
+def _explain(msg: str, following: str) -> str:
+    """orjson's message, with the cause spelled out for the failures people actually hit."""
+    if "surrogate" in msg:
+        return f"{msg} (a lone \\ud800-\\udfff escape cannot be encoded as UTF-8)"
+    if following.startswith(("NaN", "Infinity")):
+        word = "NaN" if following.startswith("NaN") else "Infinity"
+        return f"{word} is not valid JSON (write null or a finite number)"
+    if "infinity" in msg:
+        return "number out of range: it overflows a double to infinity"
+    if "depth limit" in msg:
+        return "nested deeper than the 1024 levels orjson accepts"
+    return msg
+
+
+def _utf8_error(raw: bytes) -> tuple[int, str]:
+    """(text line, message) for the first byte that is not UTF-8."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        line = raw.count(b"\n", 0, bad.start) + 1
+        column = bad.start - raw.rfind(b"\n", 0, bad.start)
+        return line, f"not UTF-8 text: byte 0x{raw[bad.start]:02x} at byte {column} of the line"
+    return 1, "not UTF-8 text"
+
+
+def type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
+    return "object" if isinstance(value, dict) else names.get(type(value), type(value).__name__)
+
+
+def show_value(value: Any, limit: int = 60) -> str:
+    try:
+        text = orjson.dumps(value).decode()
+    except TypeError:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,121 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tokenizers
+
+# The named special tokens a template can read, as transformers passes them.
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    """A loaded tokenizer folder: the tokenizer, its chat template and special tokens."""
+
+    tokenizer: tokenizers.Tokenizer
+    chat_template: str | None
+    bos_token: str | None
+    bos_id: int | None
+    eos_token: str | None
+    eos_id: int | None
+    pad_id: int | None
+    fingerprint: str
+    path: str
+    # (name, text) of every named special token the config sets; the template sees these.
+    special_tokens: tuple[tuple[str, str], ...] = ()
+
+
+def load_tokenizer(path: str | Path) -> TokenizerBundle:
+    """Load `tokenizer.json` + `tokenizer_config.json` from a folder, once per process."""
+    return _load_folder(str(Path(path).resolve()))
+
+
+@cache
+def _load_folder(folder: str) -> TokenizerBundle:
+    tokenizer_file = Path(folder) / "tokenizer.json"
+    config_file = Path(folder) / "tokenizer_config.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{tokenizer_file}: not found (expected a Hugging Face tokenizer)")
+    raw = tokenizer_file.read_bytes()
+    try:
+        tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as exc:  # tokenizers raises a bare Exception on bad files
+        raise ValueError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+    config: dict[str, Any] = {}
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{config_file}: invalid JSON: {exc}") from exc
+    special = {}
+    for name in SPECIAL_TOKEN_NAMES:
+        text = _token_text(config.get(name), config_file, name)
+        if text is not None:
+            special[name] = text
+    template = _chat_template(config, config_file)
+    ids = {
+        name: _token_id(tokenizer, special[name], config_file, name)
+        for name in ("bos_token", "eos_token", "pad_token")
+        if name in special
+    }
+    digest = hashlib.sha256(raw)
+    digest.update((template or "").encode("utf-8"))
+    return TokenizerBundle(
+        tokenizer=tokenizer,
+        chat_template=template,
+        bos_token=special.get("bos_token"),
+        bos_id=ids.get("bos_token"),
+        eos_token=special.get("eos_token"),
+        eos_id=ids.get("eos_token"),
+        pad_id=ids.get("pad_token"),
+        fingerprint=digest.hexdigest(),
+        path=folder,
+        special_tokens=tuple(special.items()),
+    )
+
+
+def _token_text(value: Any, config_file: Path, name: str) -> str | None:
+    """A special token is null, a string, or an AddedToken dict with its text in `content`."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ValueError(f"{config_file}: {name}: expected a string or AddedToken dict, got {value!r}")
+
+
+def _token_id(tokenizer: tokenizers.Tokenizer, text: str, config_file: Path, name: str) -> int:
+    token_id = tokenizer.token_to_id(text)
+    if token_id is None:
+        raise ValueError(f"{config_file}: {name} {text!r} is not in the tokenizer's vocabulary")
+    return token_id
+
+
+def _chat_template(config: dict[str, Any], config_file: Path) -> str | None:
+    """chat_template.jinja wins over the config entry, as in transformers."""
+    jinja_file = config_file.with_name("chat_template.jinja")
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise ValueError(f"{config_file}: chat_template: expected a string or a list with a 'default'")
+
+
+def encode_text(bundle: TokenizerBundle, text: str, add_special_tokens: bool) -> np.ndarray:
+    """Token ids of plain text; with special tokens, exactly one leading BOS (if any)."""
+    ids = bundle.tokenizer.encode(text, add_special_tokens=False).ids
+    if add_special_tokens and bundle.bos_id is not None and ids[:1] != [bundle.bos_id]:
+        ids = [bundle.bos_id, *ids]
+    return np.asarray(ids, dtype=np.int32)

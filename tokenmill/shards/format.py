@@ -1,0 +1,128 @@
+"""The on-disk format: output records -> shard folders of flat arrays + offsets, and back.
+
+The pipeline feeds records to ShardWriter; store.py maps what it publishes; `tokenmill
+verify` runs verify.verify_dataset. A shard is written aside and renamed into place, so a
+visible shard is a complete one (docs/dataflow.md section 2 is the contract).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+FORMAT_VERSION = 1
+
+
+DTYPES = {
+    name: np.dtype(name).newbyteorder("<")
+    for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64")
+    + ("float16", "float32", "float64")
+}
+
+
+OFFSET_DTYPE = np.dtype("<i8")
+
+
+STORAGE_FORMATS = ("bin", "jsonl")
+
+
+TMP_MARK = ".tmp-"
+
+
+KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+@dataclass
+class Column:
+    """One key of one shard in memory: flat values, int64 record offsets, int64 item bounds."""
+
+    values: np.ndarray
+    offsets: np.ndarray | None
+    items: np.ndarray | None = None
+
+
+def checksum(array: np.ndarray) -> str:
+    return xxhash.xxh64(np.ascontiguousarray(array).data).hexdigest()
+
+
+def cast(values: np.ndarray, dtype: str, where: str) -> np.ndarray:
+    """values as `dtype`, little-endian; refuses a cast that would change a value."""
+    if dtype not in DTYPES:
+        raise ValueError(f"{where}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    target = DTYPES[dtype]
+    values = np.asarray(values)
+    if values.dtype == target:
+        return np.ascontiguousarray(values)
+    if values.dtype.kind in "iub" and target.kind in "iub" and values.size:
+        low, high = (0, 1) if target.kind == "b" else (np.iinfo(target).min, np.iinfo(target).max)
+        if values.min() < low or values.max() > high:
+            raise ValueError(
+                f"{where}: values in [{values.min()}, {values.max()}] do not fit {dtype}"
+            )
+    elif values.dtype.kind == "f" and target.kind in "iub" and values.size:
+        if not np.array_equal(values, values.astype(target)):
+            raise ValueError(f"{where}: float values do not fit {dtype} exactly")
+    return np.ascontiguousarray(values, dtype=target)
+
+
+def flat(value: Any, where: str) -> np.ndarray:
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype != object:
+        return value
+    arr = np.asarray(value)
+    if arr.dtype == object or arr.ndim > 1:
+        raise ValueError(f"{where}: expected a flat array, got shape {arr.shape} dtype {arr.dtype}")
+    return arr.reshape(-1)
+
+
+def is_list_value(value: Any) -> bool:
+    """A list key's value is a list of arrays (GRPO responses / masks)."""
+    return isinstance(value, (list, tuple)) and any(
+        isinstance(v, (np.ndarray, list, tuple)) for v in value
+    )
+
+
+def row_tokens(value: Any) -> int:
+    """Tokens of one output value: an array, a list of ints (JSONL) or a list of arrays/lists (groups)."""
+    if isinstance(value, (list, tuple)) and value and not isinstance(value[0], (int, float)):
+        return sum(len(v) for v in value)
+    return len(value)
+
+
+def shard_name(index: int, storage_format: str) -> str:
+    return f"part_{index:05d}.jsonl" if storage_format == "jsonl" else f"shard_{index:05d}"
+
+
+def is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def bounds_count(bounds: list | dict) -> int:
+    """Number of values of an offsets/items entry, inline (seed) or in a file."""
+    return len(bounds) if isinstance(bounds, list) else bounds["count"]
+
+
+def shard_records(meta: dict) -> int:
+    """Records of a shard: from any key with offsets; 0 for a stream-only (seed) shard."""
+    return next((bounds_count(e["offsets"]) - 1 for e in meta.values() if "offsets" in e), 0)
+
+
+def is_tmp(path: Path) -> bool:
+    return any(TMP_MARK in part for part in path.parts)
+
+
+def natural_key(path: Path) -> tuple:
+    """Sort key in which shard_100000 follows shard_99999."""
+    return tuple(
+        tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", part))
+        for part in path.parts
+    )
+
+
+def primary_key(keys: list[str]) -> str:
+    """The key whose elements count as tokens: `sequence`, else the first key."""
+    return "sequence" if "sequence" in keys else keys[0]

@@ -1,0 +1,97 @@
+"""TODO docstring"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from tokenmill.shards.format import shard_records
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.reader import find_shards, map_shard, read_meta
+from tokenmill.shards.verify import verify_dataset
+from tokenmill.training.store import Store, StorePart, Transform
+
+
+# --- shards on disk ---------------------------------------------------------------------------
+class MmapStore(Store):
+    """Every shard below a folder, memory-mapped read-only; opening costs O(shards), not O(records)."""
+
+    def load(
+        self,
+        path: str | Path,
+        transform: Transform | None = None,
+        processor: Transform | None = None,
+        tokenizer_path: str | Path | None = None,
+    ) -> MmapStore:
+        """Maps the shards below `path`; checks every file's size against meta.json.
+
+        `tokenizer_path` is accepted and unused: shards are already tokenized.
+        """
+        if transform is not None or processor is not None:
+            raise ValueError(
+                "MmapStore reads tokenized shards; transform= and processor= are for JsonlStore"
+            )
+        root = Path(path)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: not a folder of shards")
+        self.manifest = read_manifest(root)
+        shards = find_shards(root)
+        if not shards:
+            raise FileNotFoundError(f"{root}: no shard (a folder with meta.json) below it")
+        self._check_manifest(root, shards)
+        self.root = root
+        self._metas = [
+            (str(d.relative_to(root)) if d != root else ".", read_meta(d)) for d in shards
+        ]
+        self._map()
+        return self
+
+    def _check_manifest(self, root: Path, shards: list[Path]) -> None:
+        if not self.manifest:
+            return
+        listed = {
+            f"{d}/{info['name']}" if d else info["name"]
+            for d, infos in self.manifest.get("domains", {}).items()
+            for info in infos
+        }
+        found = {d.relative_to(root).as_posix() for d in shards}
+        missing = sorted(n for n in listed - found if not n.endswith(".jsonl"))
+        if missing:
+            raise ValueError(
+                f"{root}: shards listed in manifest.json are missing: {missing[:5]}; run `tokenmill verify {root}`"
+            )
+
+    def _map(self) -> None:
+        self._set_parts(
+            [
+                StorePart(rel, map_shard(self.root / rel, meta), shard_records(meta))
+                for rel, meta in self._metas
+            ]
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        """Identity of the data: a hash over every shard's name and meta.json (sizes, checksums)."""
+        self._loaded()
+        digest = hashlib.sha256()
+        for rel, meta in self._metas:
+            digest.update(f"{rel}\n{json.dumps(meta, sort_keys=True)}\n".encode())
+        return digest.hexdigest()[:16]
+
+    def verify(self) -> list[str]:
+        """Every size, checksum and offsets problem of the dataset; [] when sound."""
+        self._loaded()
+        return verify_dataset(self.root, require_manifest=self.manifest is not None)
+
+    def __getstate__(self) -> dict:
+        """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
+        state = dict(self.__dict__)
+        if state.get("_segments") is not None:
+            state.update(_segments=None, _starts=None, _record_starts=None, _values={})
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if getattr(self, "_metas", None) is not None:
+            self._map()
