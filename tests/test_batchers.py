@@ -13,9 +13,9 @@ from tokenmill.dataflow.batchers import (
     SampleBatcher,
     SequentialPackingBatcher,
     SimpleBatcher,
-    best_fit,
     token_count,
 )
+from tokenmill.preprocess.packing import best_fit
 
 
 def sample(index: int, size: int) -> dict:
@@ -70,8 +70,12 @@ def test_simple_batcher_groups_in_order_and_refuses_another_size():
 
 
 def test_best_fit_is_pinned():
-    assert best_fit([5, 3, 8, 2, 7], 10) == [[2, 3], [1, 4], [0]]
+    """The one best-fit packer: groups in opening order, positions in placement order."""
+    assert best_fit([5, 3, 8, 2, 7], 10) == [[2, 3], [4, 1], [0]]
     assert best_fit([], 10) == []
+    assert best_fit([4, 0, 6, 0], 10) == [[2, 0, 1, 3]]  # an empty item joins the fullest group
+    with pytest.raises(ValueError, match="exceeds the capacity of 10"):
+        best_fit([11], 10)
 
 
 def test_pool_packing_is_pinned_and_counts_efficiency():

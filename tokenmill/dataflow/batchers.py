@@ -9,10 +9,11 @@ pulled go back to the stream, and the first `skip` groups of the next pull are d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
 
+from tokenmill.preprocess.packing import best_fit
 from tokenmill.training.state import STATE_VERSION, check_state
 
 __all__ = [
@@ -21,7 +22,6 @@ __all__ = [
     "PoolPackingBatcher",
     "SequentialPackingBatcher",
     "token_count",
-    "best_fit",
 ]
 
 
@@ -80,25 +80,6 @@ class SimpleBatcher(SampleBatcher):
         check_state(
             "SimpleBatcher", state, {"batcher": "SimpleBatcher", "batch_size": self.group_size}
         )
-
-
-def best_fit(sizes: Sequence[int], budget: int) -> list[list[int]]:
-    """Pack positions into groups of at most `budget` tokens: largest first, each into the
-    fullest group it fits (best fit decreasing). Groups in order of opening, positions sorted."""
-    groups: list[list[int]] = []
-    free: list[int] = []
-    for pos in sorted(range(len(sizes)), key=lambda p: (-sizes[p], p)):
-        if sizes[pos] > budget:
-            raise ValueError(f"sample of {sizes[pos]} tokens exceeds the budget of {budget}")
-        fits = [g for g in range(len(groups)) if free[g] >= sizes[pos]]
-        if fits:
-            g = min(fits, key=lambda g: (free[g], g))
-            groups[g].append(pos)
-            free[g] -= sizes[pos]
-        else:
-            groups.append([pos])
-            free.append(budget - sizes[pos])
-    return [sorted(group) for group in groups]
 
 
 class _PackingBatcher(SampleBatcher):
@@ -198,7 +179,7 @@ class PoolPackingBatcher(_PackingBatcher):
             kept = [s for s, size in measured if size <= self.budget]
             sizes = [size for _, size in measured if size <= self.budget]
             self.counters["dropped"] += len(pool) - len(kept)
-            groups = best_fit(sizes, self.budget)
+            groups = [sorted(group) for group in best_fit(sizes, self.budget)]
             for j, positions in enumerate(groups):
                 last = j == len(groups) - 1
                 self.pending, self.skip = (0, 0) if last else (len(pool), j + 1)

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenmill.preprocess.packing import PackingStrategy, PositionIdsMode
+from tokenmill.shards.format import DtypeName, StorageFormat
 
 Action = Literal["train", "mask", "$role", "value"]
 
@@ -25,14 +26,6 @@ RoleAction = Literal["train", "mask"]
 
 
 TruncationMode = Literal["keep_start", "keep_end"]
-
-
-StorageFormat = Literal["bin", "jsonl"]
-
-
-Dtype = Literal[
-    "bool", "uint8", "int16", "uint16", "int32", "uint32", "int64", "float16", "float32"
-]
 
 
 DEFAULT_MASK: dict[str, RoleAction] = {"system": "mask", "user": "mask", "assistant": "train"}
@@ -168,7 +161,7 @@ class Output(_Strict):
         gt=0,
         description="a shard rolls before it would exceed this many tokens of the primary key",
     )
-    dtype: dict[str, Dtype] = Field(
+    dtype: dict[str, DtypeName] = Field(
         default_factory=dict, description="per-key dtype override, e.g. {sequence: uint32}"
     )
     position_ids_mode: PositionIdsMode = Field(

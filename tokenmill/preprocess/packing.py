@@ -181,33 +181,40 @@ def _next_fit(pieces: list[Piece], max_len: int) -> list[list[Piece]]:
 
 
 def _best_fit(pieces: list[Piece], max_len: int) -> list[list[Piece]]:
-    """Best-fit decreasing in O(n log n): each piece, longest first (ties by input
-    order), goes to the open row with the least room that fits it (ties: the
-    earliest row), else to a new row.
+    return [[pieces[i] for i in row] for row in best_fit([e - s for _, s, e in pieces], max_len)]
 
-    Sizes only shrink, so a row that fits the current piece fits every later one:
-    such rows wait in `fits` (min-heap on room); the others wait in `short`
-    (max-heap on room) and move to `fits` once the pieces get small enough. The
-    top of `fits` is then the best fit, and each row moves at most once per piece.
+
+def best_fit(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing in O(n log n): the positions of `sizes` in groups of at most
+    `capacity`. Each size, largest first (ties by position), goes to the open group with
+    the least room that fits it (ties: the earliest group), else to a new group. Groups in
+    order of opening, positions in placement order. The one packer of both halves: the
+    pipeline's bfd rows and the loader's PoolPackingBatcher.
+
+    Sizes only shrink, so a group that fits the current size fits every later one: such
+    groups wait in `fits` (min-heap on room); the others wait in `short` (max-heap on
+    room) and move to `fits` once the sizes get small enough. The top of `fits` is then
+    the best fit, and each group moves at most once per size.
     """
-    order = sorted(pieces, key=lambda p: p[1] - p[2])  # stable: ties keep input order
-    rows: list[list[Piece]] = []
-    fits: list[tuple[int, int]] = []  # (room, row_id), room >= current size
-    short: list[tuple[int, int]] = []  # (-room, row_id), 0 < room < current size
-    for piece in order:
-        size = piece[2] - piece[1]
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])  # stable: ties keep position order
+    groups: list[list[int]] = []
+    fits: list[tuple[int, int]] = []  # (room, group), room >= current size
+    short: list[tuple[int, int]] = []  # (-room, group), room < current size
+    for i in order:
+        size = sizes[i]
+        if size > capacity:
+            raise ValueError(f"an item of {size} exceeds the capacity of {capacity}")
         while short and -short[0][0] >= size:
-            neg_room, row_id = heapq.heappop(short)
-            heapq.heappush(fits, (-neg_room, row_id))
+            neg_room, group = heapq.heappop(short)
+            heapq.heappush(fits, (-neg_room, group))
         if fits:
-            room, row_id = heapq.heappop(fits)
+            room, group = heapq.heappop(fits)
         else:
-            room, row_id = max_len, len(rows)
-            rows.append([])
-        rows[row_id].append(piece)
+            room, group = capacity, len(groups)
+            groups.append([])
+        groups[group].append(i)
         room -= size
-        if room >= size:
-            heapq.heappush(fits, (room, row_id))
-        elif room > 0:
-            heapq.heappush(short, (-room, row_id))
-    return rows
+        heapq.heappush(fits, (room, group)) if room >= size else heapq.heappush(
+            short, (-room, group)
+        )
+    return groups

@@ -10,36 +10,28 @@ shards it published are removed: no manifest, nothing that looks complete.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import sys
 import time
-from collections import deque
-from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from itertools import chain, islice
-from multiprocessing import get_context
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from tokenmill import __version__
-from tokenmill.preprocess.chunks import Chunk, ChunkResult, iter_chunks, process_chunk, setup_worker
+from tokenmill.preprocess.chunks import ChunkResult
 from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.engine import make_engine
 from tokenmill.preprocess.inputs import InputPath, input_identity, list_inputs
 from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
-from tokenmill.preprocess.records import RecordError
+from tokenmill.preprocess.records import ON_ERROR, RecordError
 from tokenmill.preprocess.runlog import STATE_DIR, Journal, ResumeState, Summary
 from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.shards.files import write_atomic
 from tokenmill.shards.format import natural_key
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.shards.writer import ShardWriter
-
-ON_ERROR = ("raise", "skip")
-
-
-ENGINES = ("local", "ray")
 
 
 class Pipeline:
@@ -62,8 +54,6 @@ class Pipeline:
             config = PipelineConfig.from_file(config)
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
-        if engine not in ENGINES:
-            raise ValueError(f"engine must be one of {list(ENGINES)}, got {engine!r}")
         self.config = config
         self.inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
         # absolute: Ray workers and tools run from other folders than the one the run started in
@@ -74,14 +64,10 @@ class Pipeline:
         self.workers = workers  # None: every local core, or every cluster CPU but one (Ray)
         self.on_error = on_error
         self.engine = engine
-        if engine == "ray":  # fail before touching the output folder
-            from tokenmill.preprocess.ray_engine import require_ray
-
-            require_ray()
+        self._engine = make_engine(engine, workers, ray_address)  # fails now if Ray is missing
         self.overwrite = overwrite
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.ray_address = ray_address
-        self._ray: Any = None  # the ray module while an engine="ray" run holds a connection
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> Summary:
@@ -97,17 +83,12 @@ class Pipeline:
         journal = Journal(self.output_dir, run_id, inputs)
         state = journal.resume(self.output_dir, masker.primary_key())
         summary, rejects = state.summary, state.rejects
-        session: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if self.engine == "ray":
-            from tokenmill.preprocess.ray_engine import connect
-
-            session = connect(self.ray_address)
-        with session as self._ray:
+        with self._engine.session():
             domains = self._write(files, masker, journal, state)
         summary.shards = sum(len(infos) for infos in domains.values())
         summary.seconds = time.perf_counter() - start
         if rejects:
-            _write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
+            write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
         write_manifest(
             self.output_dir,
             self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id),
@@ -140,41 +121,9 @@ class Pipeline:
             if bar is not None:
                 bar.close()
 
-    def _results(
-        self, files: list[InputPath], chunks_done: int
-    ) -> Generator[ChunkResult, None, None]:
-        chunks: Iterator[Chunk] = (
-            c
-            for c in iter_chunks(files, self.config, collect_errors=self.on_error == "skip")
-            if c.index >= chunks_done
-        )
-        args = (self.config.model_dump(mode="json"), self.tokenizer_path)
-        if self.engine == "ray":
-            from tokenmill.preprocess.ray_engine import ray_results
-
-            yield from ray_results(self._ray, files, args, self.workers, first_chunk=chunks_done)
-            return
-        workers = self.workers or os.cpu_count() or 1
-        first = list(islice(chunks, 2))
-        if workers == 1 or len(first) < 2:  # one chunk: starting worker processes costs more
-            setup_worker(*args)
-            for chunk in chain(first, chunks):
-                yield process_chunk(chunk)
-            return
-        chunks = chain(first, chunks)
-        ctx = get_context(
-            "spawn"
-        )  # safe beside a parent that already runs torch or tokenizer threads
-        with ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=setup_worker, initargs=args
-        ) as pool:
-            pending: deque[Future[ChunkResult]] = deque()
-            for chunk in chunks:
-                pending.append(pool.submit(process_chunk, chunk))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
+    def _results(self, files: list[InputPath], chunks_done: int) -> Iterator[ChunkResult]:
+        collect = self.on_error == "skip"
+        return self._engine.results(files, self.config, self.tokenizer_path, collect, chunks_done)
 
     def _consume(
         self,
@@ -243,29 +192,13 @@ class Pipeline:
             bar.set_postfix_str(f"{summary.tokens:,} tokens, {rate:,.0f} tok/s")
 
     def _writer(self, domain: str, masker: RecordMasker, first_index: int) -> Any:
-        """The domain's ShardWriter; on Ray, a RayShardWriter (same cut, shards written by tasks)."""
+        """The domain's shard writer, from the engine (same cut on every engine)."""
         domain_dir = self.output_dir / domain if domain else self.output_dir
         out = self.config.output
-        if self.engine == "ray":
-            from tokenmill.preprocess.ray_engine import RayShardWriter
-
-            return RayShardWriter(
-                self._ray,
-                domain_dir,
-                masker.dtypes(),
-                masker.primary_key(),
-                out.max_tokens_per_shard,
-                out.storage_format,
-                first_index=first_index,
-            )
-        return ShardWriter(
-            domain_dir,
-            masker.dtypes(),
-            masker.primary_key(),
-            out.max_tokens_per_shard,
-            out.storage_format,
-            first_index=first_index,
-        )
+        return self._engine.writer(
+            domain_dir, masker.dtypes(), masker.primary_key(), out.max_tokens_per_shard,
+            out.storage_format, first_index,
+        )  # fmt: skip
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:
@@ -314,7 +247,6 @@ class Pipeline:
     ) -> dict:
         config_fp = self.config.fingerprint()
         return {
-            "format_version": 1,
             "tool": f"tokenmill {__version__}",
             "fingerprint": _sha256(f"{tokenizer_fp}:{config_fp}"),
             "tokenizer_fingerprint": tokenizer_fp,
@@ -335,12 +267,6 @@ def _sha256(text: str) -> str:
     import hashlib
 
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _progress_bar(enabled: bool) -> Any:

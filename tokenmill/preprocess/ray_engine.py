@@ -388,3 +388,45 @@ class RayShardWriter:
         for path in self.domain_dir.glob(f"*{TMP_MARK}*"):
             if path.name.split(TMP_MARK)[0] in names:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+class RayEngine:
+    """The pipeline's engine on Ray: `ray_results` for chunks, `RayShardWriter` for shards."""
+
+    def __init__(self, workers: int | None, address: str | None):
+        require_ray()  # fail before touching the output folder
+        self.workers, self.address = workers, address
+        self.ray: Any = None  # the ray module while a session is open
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        with connect(self.address) as self.ray:
+            try:
+                yield
+            finally:
+                self.ray = None
+
+    def results(
+        self,
+        files: Sequence[InputPath],
+        config: PipelineConfig,
+        tokenizer_path: str,
+        collect_errors: bool,
+        first_chunk: int,
+    ) -> Iterator[ChunkResult]:
+        args = (config.model_dump(mode="json"), tokenizer_path)
+        return ray_results(self.ray, files, args, self.workers, first_chunk=first_chunk)
+
+    def writer(
+        self,
+        domain_dir: Path,
+        dtypes: dict[str, str],
+        primary_key: str,
+        max_tokens_per_shard: int,
+        storage_format: str,
+        first_index: int,
+    ) -> RayShardWriter:
+        return RayShardWriter(
+            self.ray, domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format,
+            first_index=first_index,
+        )  # fmt: skip

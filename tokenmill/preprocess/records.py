@@ -66,6 +66,7 @@ class RecordError(ValueError):
         return (type(self), (self.source, self.line, self.field, self.message, self.reason))
 
 
+ON_ERROR = ("raise", "skip")  # what a run does with a malformed record
 OnError = Callable[[RecordError], None] | None
 
 

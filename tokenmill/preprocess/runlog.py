@@ -9,7 +9,6 @@ run reuses complete shards and ends byte-identical to a clean run.
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +17,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenmill.shards.format import row_tokens, shard_records
+from tokenmill.shards.files import write_atomic
+from tokenmill.shards.format import TMP_MARK, row_tokens, shard_records
 from tokenmill.shards.reader import find_shards, read_meta
 
 FIRST_ERRORS_PER_REASON = 5
@@ -176,9 +176,8 @@ class Journal:
             )
         # keep only the journal lines of chunks that will not be processed again
         self._file.close()
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_bytes(b"".join(orjson.dumps(e) + b"\n" for e in entries[:done]))
-        os.replace(tmp, self.path)  # a crash here leaves the old journal, never half of one
+        # a crash here leaves the old journal, never half of one
+        write_atomic(self.path, b"".join(orjson.dumps(e) + b"\n" for e in entries[:done]))
         self._file = open(self.path, "ab")
         return state
 
@@ -212,7 +211,7 @@ def published_shards(domain_dir: Path, primary: str) -> list[dict]:
     """Infos of the shards (or JSONL parts) already published in one domain folder; temp leftovers removed."""
     if not domain_dir.is_dir():
         return []
-    for tmp in domain_dir.glob("*.tmp-*"):
+    for tmp in domain_dir.glob(f"*{TMP_MARK}*"):
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
     infos = []
     for shard in find_shards(domain_dir):

@@ -1,4 +1,9 @@
-"""TODO docstring"""
+"""Durable writes: the one way tokenmill puts bytes on disk.
+
+Every file is written whole and fsynced before it becomes visible: shards and JSONL parts are
+written aside and published by rename (`publish`), single files are replaced at once
+(`write_atomic`), so a reader never sees half of anything.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,9 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from tokenmill.shards.format import (
-    TMP_MARK,
-)
+from tokenmill.shards.format import TMP_MARK
 
 
-# --- writing ----------------------------------------------------------------------------------
 def write_durable(path: Path, data: np.ndarray | bytes) -> None:
     """One write of the whole array (or bytes), flushed to disk before anything is published."""
     with open(path, "wb") as f:
@@ -40,6 +42,19 @@ def publish(tmp: Path, final: Path) -> None:
 
 def tmp_path(final: Path) -> Path:
     return final.with_name(f"{final.name}{TMP_MARK}{os.getpid()}")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Replaces `path` with `data` at once: a reader sees the old file or the new one, never part."""
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        write_durable(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def file_checksum(path: Path) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import xxhash
@@ -18,17 +18,18 @@ import xxhash
 FORMAT_VERSION = 1
 
 
-DTYPES = {
-    name: np.dtype(name).newbyteorder("<")
-    for name in ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64")
-    + ("float16", "float32", "float64")
-}
+DtypeName = Literal[
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
+    "float16", "float32", "float64",
+]  # fmt: skip
+DTYPES = {name: np.dtype(name).newbyteorder("<") for name in get_args(DtypeName)}
 
 
 OFFSET_DTYPE = np.dtype("<i8")
 
 
-STORAGE_FORMATS = ("bin", "jsonl")
+StorageFormat = Literal["bin", "jsonl"]
+STORAGE_FORMATS: tuple[str, ...] = get_args(StorageFormat)
 
 
 TMP_MARK = ".tmp-"

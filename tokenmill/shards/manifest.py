@@ -1,12 +1,11 @@
-"""TODO docstring"""
+"""manifest.json: the dataset's table of contents, written last, so its presence means complete."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from tokenmill.shards.files import fsync_dir, tmp_path, write_durable
+from tokenmill.shards.files import write_atomic
 from tokenmill.shards.format import FORMAT_VERSION
 
 
@@ -18,11 +17,7 @@ def write_manifest(root: Path, manifest: dict) -> None:
             "manifest 'domains' must map a domain folder ('' for the root) to a list of shard infos"
         )
     manifest = {"format_version": FORMAT_VERSION, **manifest}
-    path = Path(root) / "manifest.json"
-    tmp = tmp_path(path)
-    write_durable(tmp, (json.dumps(manifest, indent=2) + "\n").encode())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_atomic(Path(root) / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
 
 
 def read_manifest(root: Path) -> dict | None:

@@ -23,7 +23,7 @@ from tokenmill.shards.format import (
     shard_records,
 )
 from tokenmill.shards.manifest import read_manifest
-from tokenmill.shards.reader import find_shards, read_meta
+from tokenmill.shards.reader import find_shards, map_array, read_meta
 
 
 def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
@@ -103,7 +103,7 @@ def _verify_bounds(
             ]
         if "xxh64" in bounds and file_checksum(path) != bounds["xxh64"]:
             return [f"{where}: xxh64 checksum mismatch: the {part} are corrupted"]
-        values = np.fromfile(path, OFFSET_DTYPE)
+        values = map_array(path, "int64", bounds["count"], key)
     if len(values) == 0:
         return [f"{where}: empty; needs at least [0]"]
     bad = np.flatnonzero((values < 0) | (values > last))

@@ -11,12 +11,8 @@ import sys
 from pathlib import Path
 
 from tokenmill.preprocess.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
-from tokenmill.preprocess.pipeline import Pipeline
-from tokenmill.preprocess.records import RecordError
-from tokenmill.shards.verify import verify_dataset
-from tokenmill.tools.demo import run_demo
-from tokenmill.tools.inspect import dataset_stats, format_stats, plot_stats
-from tokenmill.tools.show import show
+from tokenmill.preprocess.engine import ENGINES
+from tokenmill.preprocess.records import ON_ERROR, RecordError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="worker processes (default: all cores); with --engine ray, actors (default: cluster CPUs - 1)",
     )
-    p.add_argument("--on-error", choices=["raise", "skip"], default="raise")
-    p.add_argument("--engine", choices=["local", "ray"], default="local")
+    p.add_argument("--on-error", choices=list(ON_ERROR), default="raise")
+    p.add_argument("--engine", choices=list(ENGINES), default="local")
     p.add_argument("--ray-address", default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
@@ -98,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
+    from tokenmill.preprocess.pipeline import Pipeline
 
     if bool(args.config) == bool(args.type):
         raise ValueError("give exactly one of --config and --type")
@@ -120,6 +117,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
+    from tokenmill.tools.inspect import dataset_stats, format_stats, plot_stats
+
     stats = dataset_stats(args.dataset)
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     if args.plot:
@@ -129,6 +128,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    from tokenmill.tools.show import show
 
     config = None
     if args.config:
@@ -141,6 +141,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from tokenmill.shards.verify import verify_dataset
 
     problems = verify_dataset(Path(args.dataset))
     for problem in problems:
@@ -150,6 +151,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from tokenmill.tools.demo import run_demo
 
     def log(line: str) -> None:
         print(line, flush=True)

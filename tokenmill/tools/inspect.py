@@ -12,33 +12,19 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.shards.format import Column, primary_key, shard_records
 from tokenmill.shards.manifest import read_manifest
-from tokenmill.shards.reader import find_shards, read_meta
+from tokenmill.shards.reader import find_shards, map_shard, read_meta
 
 PERCENTILES = (50, 90, 99)
 
 
-def _array(shard: Path, name: str, dtype: str, count: int) -> np.ndarray:
-    if count == 0:
-        return np.empty(0, dtype=dtype)
-    return np.memmap(shard / name, dtype=dtype, mode="r", shape=(count,))
-
-
-def _bounds(shard: Path, entry: dict, part: str) -> np.ndarray | None:
-    bounds = entry.get(part)
-    if bounds is None:
-        return None
-    if isinstance(bounds, list):
-        return np.asarray(bounds, dtype=np.int64)
-    return _array(shard, bounds["file"], "int64", bounds["count"])
-
-
-def _record_lengths(shard: Path, entry: dict) -> np.ndarray:
-    offsets = _bounds(shard, entry, "offsets")
-    if offsets is None:
-        return np.asarray([entry["shape"][0]], dtype=np.int64)
-    items = _bounds(shard, entry, "items")
-    return np.diff(items[offsets] if items is not None else offsets)
+def _record_lengths(column: Column, stream_length: int) -> np.ndarray:
+    """Elements of each record (all items of a group); a stream-only key is one long record."""
+    if column.offsets is None:
+        return np.asarray([stream_length], dtype=np.int64)
+    bounds = column.offsets if column.items is None else column.items[column.offsets]
+    return np.diff(bounds)
 
 
 def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
@@ -50,26 +36,20 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
     records = 0
     for shard in shards:
         meta = read_meta(shard)
-        first = next(iter(meta.values()))
-        records += len(_record_lengths(shard, first)) if "offsets" in first else 0
-        for key, entry in meta.items():
-            n = entry["shape"][0]
-            info = keys.setdefault(key, {"dtype": entry["dtype"], "elements": 0})
+        columns = map_shard(shard, meta)
+        records += shard_records(meta)
+        for key, column in columns.items():
+            n = len(column.values)
+            info = keys.setdefault(key, {"dtype": meta[key]["dtype"], "elements": 0})
             info["elements"] += n
-            if entry["dtype"] == "bool":
-                trained[key] = trained.get(key, 0) + int(
-                    np.count_nonzero(_array(shard, f"{key}.bin", "bool", n))
-                )
+            if meta[key]["dtype"] == "bool":
+                trained[key] = trained.get(key, 0) + int(np.count_nonzero(column.values))
             elif key == "rewards":
-                rewards.append(
-                    np.asarray(_array(shard, f"{key}.bin", entry["dtype"], n), dtype=np.float64)
-                )
+                rewards.append(np.asarray(column.values, dtype=np.float64))
             else:
-                lengths.setdefault(key, []).append(_record_lengths(shard, entry))
-            if "items" in entry and key not in ("masks",):
-                offsets = _bounds(shard, entry, "offsets")
-                if offsets is not None:
-                    groups.append(np.diff(offsets))
+                lengths.setdefault(key, []).append(_record_lengths(column, n))
+            if column.items is not None and column.offsets is not None and key != "masks":
+                groups.append(np.diff(column.offsets))
     out: dict[str, Any] = {"records": records, "shards": len(shards), "keys": {}}
     for key, info in keys.items():
         row: dict[str, Any] = {"dtype": info["dtype"], "tokens": info["elements"]}
@@ -208,8 +188,8 @@ def plot_stats(root: str | Path, stats: dict[str, Any], path: str | Path) -> Non
             if name == "" and shard.parent != root:
                 continue
             meta = read_meta(shard)
-            key = "sequence" if "sequence" in meta else next(iter(meta))
-            lens.append(_record_lengths(shard, meta[key]))
+            key = primary_key(list(meta))
+            lens.append(_record_lengths(map_shard(shard, meta)[key], meta[key]["shape"][0]))
         if lens:
             ax1.hist(np.concatenate(lens), bins=50, alpha=0.6, label=name or "(root)")
     ax1.set(title="record length (tokens of the primary key)", xlabel="tokens", ylabel="records")

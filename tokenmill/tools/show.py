@@ -17,7 +17,6 @@ from tokenmill.preprocess.inputs import list_inputs
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import read_records
 from tokenmill.preprocess.tokenizer import TokenizerBundle, load_tokenizer
-from tokenmill.training.mmap_store import MmapStore
 
 GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
 
@@ -104,6 +103,7 @@ def format_sample(
 
 def sample_from_shards(root: str | Path, index: int) -> tuple[dict[str, Any], str | None]:
     """Record `index` of a shard dataset (all keys) and the tokenizer path its manifest names."""
+    from tokenmill.training.mmap_store import MmapStore  # torch: only when reading shards
 
     store = MmapStore().load(root)
     if not 0 <= index < store.num_records:
