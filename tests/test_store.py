@@ -392,7 +392,7 @@ def test_jsonl_lazy_processor_indexes_lines_only(tmp_path):
     assert store._line_pos.dtype == np.int64 and store._line_pos.tolist() == [0, 22, 37]
     assert store.fetch_record(1, "sequence").tolist() == [104, 105] and calls == ["hi"]
     assert store.keys == ["sequence", "loss_mask"]
-    with pytest.raises(ValueError, match=f"^{path}:5: not valid JSON"):
+    with pytest.raises(ValueError, match=f"^{path}:5: invalid JSON at column 1"):
         store.fetch_record(2, "sequence")
     with pytest.raises(ValueError, match="reads records only"):
         store.fetch(0, 1, "sequence")
@@ -400,7 +400,7 @@ def test_jsonl_lazy_processor_indexes_lines_only(tmp_path):
 
 def test_jsonl_bad_line_names_file_and_line(tmp_path):
     path = write_jsonl(tmp_path / "data.jsonl", [{"text": "ok"}, "\n", "[1, 2]\n"])
-    with pytest.raises(ValueError, match=f"^{path}:3: expected a JSON object, got list"):
+    with pytest.raises(ValueError, match=f"^{path}:3: expected a JSON object, got array"):
         JsonlStore().load(path, transform=char_transform)
     path = write_jsonl(tmp_path / "data.jsonl", [{"text": "ok"}, {"txt": "typo"}])
     with pytest.raises(ValueError, match=f"^{path}:2: 'text'"):

@@ -14,6 +14,7 @@ from itertools import islice
 from typing import Any
 
 from tokenmill.preprocess.packing import best_fit
+from tokenmill.shards.format import row_tokens
 from tokenmill.training.state import STATE_VERSION, check_state
 
 __all__ = [
@@ -32,7 +33,7 @@ def token_count(sample: dict) -> int:
     if "chosen" in sample:
         return len(sample["chosen"]) + len(sample["rejected"])
     if "prompts" in sample:
-        return len(sample["prompts"]) + sum(len(r) for r in sample["responses"])
+        return len(sample["prompts"]) + row_tokens(sample["responses"])
     raise KeyError(f"cannot count tokens of a sample with keys {sorted(sample)}; pass size_fn")
 
 

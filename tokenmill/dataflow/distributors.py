@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill.dataflow.batchers import token_count
+from tokenmill.shards.format import trained_count
 from tokenmill.training.state import (
     STATE_VERSION,
     check_state,
@@ -284,10 +285,9 @@ def pick_source(counts: Sequence[float], shares: Sequence[float], largest: float
 
 def trained_tokens(item: dict) -> int:
     """Tokens an item trains: its masks' True count, or all its tokens when it has no mask."""
-    masks = [item[k] for k in ("loss_mask", "chosen_mask", "rejected_mask") if k in item]
-    masks += list(item.get("masks", []))
+    masks = [item[k] for k in ("loss_mask", "chosen_mask", "rejected_mask", "masks") if k in item]
     if masks:
-        return int(sum(int(m.sum()) for m in masks))
+        return sum(trained_count(m) for m in masks)
     return token_count(item)
 
 

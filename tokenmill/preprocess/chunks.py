@@ -20,9 +20,8 @@ from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
-from tokenmill.preprocess.runlog import row_trained
 from tokenmill.preprocess.tokenizer import load_tokenizer
-from tokenmill.shards.format import row_tokens
+from tokenmill.shards.format import row_tokens, trained_count
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -161,3 +160,10 @@ def _domain(record: Record, config: PipelineConfig) -> str:
             "bad_value",
         )
     return value
+
+
+def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:
+    """Trained tokens of a row: its masks' True values, or every token when nothing is masked."""
+    if not mask_keys:
+        return sum(row_tokens(row[k]) for k in token_keys)
+    return sum(trained_count(row[k]) for k in mask_keys)

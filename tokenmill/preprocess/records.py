@@ -103,18 +103,25 @@ def _read_jsonl(
             if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
                 continue
             try:
-                data = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                err = _json_error(source, line, raw, exc, last_line=not raw.endswith(b"\n"))
+                data = parse_line(raw, source, line)
+            except RecordError as err:
                 _report(err, on_error)
-                continue
-            if not isinstance(data, dict):
-                message = f"expected a JSON object, got {type_name(data)}"
-                _report(RecordError(source, line, None, message, "not_object"), on_error)
                 continue
             if offsets is not None:
                 offsets.append(start)
             yield Record(source, line, data)
+
+
+def parse_line(raw: bytes, source: str, line: int) -> dict:
+    """One JSONL line as a JSON object, or a RecordError naming `source:line`."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _json_error(source, line, raw, exc, last_line=not raw.endswith(b"\n")) from None
+    if not isinstance(data, dict):
+        message = f"expected a JSON object, got {type_name(data)}"
+        raise RecordError(source, line, None, message, "not_object")
+    return data
 
 
 def _numbered_lines(

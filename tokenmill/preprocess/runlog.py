@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from tokenmill.shards.files import write_atomic
@@ -70,21 +69,6 @@ class Summary:
         for reason, msgs in sorted(self.first_errors.items()):
             lines += [f"  {reason}: {m}" for m in msgs]
         return "\n".join(lines)
-
-
-def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:
-    """Trained tokens of a row: its masks' True values, or every token when nothing is masked."""
-    if not mask_keys:
-        return sum(row_tokens(row[k]) for k in token_keys)
-    total = 0
-    for key in mask_keys:
-        v = row[key]
-        total += (
-            sum(int(np.count_nonzero(m)) for m in v)
-            if isinstance(v, list)
-            else int(np.count_nonzero(v))
-        )
-    return total
 
 
 @dataclass

@@ -94,6 +94,13 @@ def row_tokens(value: Any) -> int:
     return len(value)
 
 
+def trained_count(mask: Any) -> int:
+    """True values of one mask value: an array (or tensor), or a list of them (groups)."""
+    if isinstance(mask, (list, tuple)):
+        return sum(int(np.count_nonzero(m)) for m in mask)
+    return int(np.count_nonzero(mask))
+
+
 def shard_name(index: int, storage_format: str) -> str:
     return f"part_{index:05d}.jsonl" if storage_format == "jsonl" else f"shard_{index:05d}"
 

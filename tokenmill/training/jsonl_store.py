@@ -12,13 +12,14 @@ import hashlib
 import json
 from bisect import bisect_right
 from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
 from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
+from tokenmill.preprocess.records import parse_line, read_records
 from tokenmill.preprocess.tokenizer import load_tokenizer
 from tokenmill.shards.buffers import ShardBuffer
 from tokenmill.shards.format import is_list_value, is_tmp
@@ -53,19 +54,19 @@ class JsonlStore(Store):
         self.processor = None
         apply, dtypes = _choose_transform(Path(path), transform, tokenizer_path)
         dtypes = stored_dtypes if apply is _pretokenized and stored_dtypes else dtypes
-        buffer, digest = ShardBuffer(dtypes), hashlib.sha256()
-        for source, line, text in _read_lines(self.files, digest):
+        buffer = ShardBuffer(dtypes)
+        for record in chain.from_iterable(read_records(f) for f in self.files):
             try:
-                out = apply(_parse(text), source, line)
+                out = apply(record.data, record.source, record.line)
             except Exception as err:
-                if getattr(err, "reason", None) in _filter_reasons():
+                if getattr(err, "reason", None) in FILTER_REASONS:
                     self.skipped[err.reason] = self.skipped.get(err.reason, 0) + 1  # type: ignore[attr-defined]
                     continue
-                raise _located(err, source, line) from err
+                raise _located(err, record.source, record.line) from err
             buffer.add(out)
         if not buffer.records:
             raise ValueError(f"{path}: no records to load (skipped: {self.skipped or 'none'})")
-        self.fingerprint = digest.hexdigest()[:16]
+        self.fingerprint = _files_digest(self.files)
         self._set_parts([StorePart(str(path), buffer.build(), buffer.records)])
         return self
 
@@ -122,10 +123,11 @@ class JsonlStore(Store):
         with open(source, "rb") as fh:
             fh.seek(pos)
             text = fh.readline()
+        line = _line_number(source, pos)
         try:
-            return dict(self.processor(_parse(text)))  # type: ignore[misc]  # set in lazy mode
+            return dict(self.processor(parse_line(text, str(source), line)))  # type: ignore[misc]  # set in lazy mode
         except Exception as err:
-            raise _located(err, str(source), _line_number(source, pos)) from err
+            raise _located(err, str(source), line) from err
 
 
 def jsonl_inputs(path: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -196,26 +198,6 @@ def _pretokenized(record: dict, source: str, line: int) -> dict:
     return out
 
 
-def _read_lines(files: list[Path], digest: Any) -> Any:
-    """(source, 1-based line, text) of every non-blank line; the digest sees every byte."""
-    for path in files:
-        with open(path, "rb") as f:
-            for number, text in enumerate(f, 1):
-                digest.update(text)
-                if text.strip():
-                    yield str(path), number, text
-
-
-def _parse(text: bytes) -> dict:
-    try:
-        record = orjson.loads(text)
-    except orjson.JSONDecodeError as err:
-        raise ValueError(f"not valid JSON: {err}") from None
-    if not isinstance(record, dict):
-        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
-    return record
-
-
 def _located(err: Exception, source: str, line: int) -> Exception:
     """The error with the record's file and line (a RecordError is rebuilt with them)."""
     if all(hasattr(err, a) for a in ("field", "message", "reason")):
@@ -224,9 +206,14 @@ def _located(err: Exception, source: str, line: int) -> Exception:
     return ValueError(text if text.startswith(f"{source}:") else f"{source}:{line}: {text}")
 
 
-def _filter_reasons() -> tuple[str, ...]:
-
-    return tuple(FILTER_REASONS)
+def _files_digest(files: list[Path]) -> str:
+    """What identifies the data: a hash of every byte of every file, in order."""
+    digest = hashlib.sha256()
+    for path in files:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
 
 
 def _line_starts(path: Path, digest: Any) -> np.ndarray:
