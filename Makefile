@@ -10,12 +10,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,ray,plot]'
 	touch $(STAMP)
 
-.PHONY: demo test lint bench
+.PHONY: demo test test-fast lint bench
 demo: $(STAMP)
 	$(VENV)/bin/tokenmill demo
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -x
+
+# unit tests only (no Ray, torchrun, killed processes or demo): under a minute
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check tokenmill tests benchmarks

@@ -1,14 +1,14 @@
 """Every example of docs/examples.md runs and gives the summary the page shows."""
 
 import re
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from tokenmill.preprocess.config import DEFAULT_CONFIGS, PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 PAGE = (ROOT / "docs" / "examples.md").read_text()
 
 

@@ -14,6 +14,7 @@ from itertools import islice
 from pathlib import Path
 
 import pytest
+from helpers import GOLDEN, ROOT
 
 from tokenmill import (
     BatchCollator,
@@ -33,9 +34,8 @@ from tokenmill import (
     default_config,
 )
 
-DATA = Path(__file__).parent.parent / "data"
+DATA = ROOT / "data"
 QWEN = DATA / "tokenizers" / "qwen2.5"
-GOLDEN = Path(__file__).parent / "golden"
 REGEN = bool(os.environ.get("TOKENMILL_REGEN_GOLDEN"))
 # what names the machine, the moment or the input's stamp, not the data
 VOLATILE = ("seconds", "tokenizer_path", "inputs", "run_id")

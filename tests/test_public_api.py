@@ -10,12 +10,13 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
+
+from helpers import GOLDEN
 
 import tokenmill
 import tokenmill.dataflow
 
-GOLDEN = Path(__file__).parent / "golden" / "public_api.json"
+GOLDEN_API = GOLDEN / "public_api.json"
 
 
 def _signature(obj) -> str:
@@ -36,7 +37,7 @@ def _describe(obj) -> dict:
             if not name.startswith("_") and callable(member)
         }
         for name, member in sorted(vars(obj).items()):
-            if isinstance(member, (staticmethod, classmethod)):
+            if isinstance(member, (staticmethod, classmethod)) and not name.startswith("_"):
                 methods[name] = _signature(getattr(obj, name))
         return {"kind": "class", "init": _signature(obj), "methods": methods}
     if callable(obj):
@@ -59,8 +60,8 @@ def surface() -> dict:
 def test_public_surface_matches_golden():
     now = surface()
     if os.environ.get("TOKENMILL_REGEN_GOLDEN"):
-        GOLDEN.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
-    golden = json.loads(GOLDEN.read_text())
+        GOLDEN_API.write_text(json.dumps(now, indent=1, sort_keys=True) + "\n")
+    golden = json.loads(GOLDEN_API.read_text())
     for module in golden:
         dropped = sorted(set(golden[module]) - set(now[module]))
         assert not dropped, f"{module} no longer exports {dropped}"

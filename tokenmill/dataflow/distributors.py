@@ -2,7 +2,7 @@
 
 DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator. A distributor owns
 the raw data and decides each data-parallel rank's stream. Built-ins give that stream as
-cheap keys (`keys`) and read an item only in `fetch`, so the loader can hand each worker
+cheap indices (`indices`) and read an item only in `fetch`, so the loader can hand each worker
 whole groups without reading what other workers read.
 """
 
@@ -44,20 +44,25 @@ class DataDistributor(ABC):
     """Owns the raw dataset, shards it disjointly across DP ranks x workers, shuffles, and
     carries resume state."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "keys" in cls.__dict__:  # the old name: silently unused now, so refused
+            raise TypeError(f"{cls.__name__}.keys: the index stream is now named `indices`")
+
     @abstractmethod
     def stream(
         self, dp_rank: int, dp_world_size: int, worker_id: int, num_workers: int
     ) -> Iterator[Any]:
         """Yield this (rank, worker)'s disjoint slice of raw items, from the saved position on."""
 
-    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
-        """The rank's whole stream as keys for `fetch`, from the saved position on; once a key
+    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
+        """The rank's whole stream as indices for `fetch`, from the saved position on; once an index
         is yielded, `state_dict()` is the position after it. Default: the items themselves."""
         return self.stream(dp_rank, dp_world_size, 0, 1)
 
-    def fetch(self, key: Any) -> Any:
-        """The raw item of a key from `keys`."""
-        return key
+    def fetch(self, index: Any) -> Any:
+        """The raw item of an index from `indices`."""
+        return index
 
     def state_dict(self) -> dict:
         """Resume state. No-op default; resumable distributors override."""
@@ -69,17 +74,17 @@ class DataDistributor(ABC):
 
 
 def worker_share(
-    keys: Iterable[Any], worker_id: int, num_workers: int, block: int = 1
+    indices: Iterable[Any], worker_id: int, num_workers: int, block: int = 1
 ) -> Iterator[Any]:
-    """Keys of blocks worker_id, worker_id + num_workers, ... of `block` consecutive keys.
-    Pulls no key past the one it yields, so the source's position stays exact."""
+    """Indices of blocks worker_id, worker_id + num_workers, ... of `block` consecutive indices.
+    Pulls no index past the one it yields, so the source's position stays exact."""
     if not 0 <= worker_id < num_workers or block < 1:
         raise ValueError(
             f"need 0 <= worker_id < num_workers and block >= 1, got {worker_id}, {num_workers}, {block}"
         )
-    for q, key in enumerate(keys):
+    for q, index in enumerate(indices):
         if (q // block) % num_workers == worker_id:
-            yield key
+            yield index
 
 
 def _check_coordinates(dp_rank: int, dp_world_size: int) -> None:
@@ -88,20 +93,20 @@ def _check_coordinates(dp_rank: int, dp_world_size: int) -> None:
 
 
 class _KeyedDistributor(DataDistributor):
-    """A distributor defined by `keys` and `fetch`; `stream` deals keys round robin to workers."""
+    """A distributor defined by `indices` and `fetch`; `stream` deals indices round robin to workers."""
 
     @abstractmethod
-    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]: ...
+    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]: ...
 
     def stream(
         self, dp_rank: int, dp_world_size: int, worker_id: int, num_workers: int
     ) -> Iterator[Any]:
-        for key in worker_share(self.keys(dp_rank, dp_world_size), worker_id, num_workers):
-            yield self.fetch(key)
+        for index in worker_share(self.indices(dp_rank, dp_world_size), worker_id, num_workers):
+            yield self.fetch(index)
 
 
 class MapDistributor(_KeyedDistributor):
-    """A map-style dataset shuffled per epoch by seed + epoch (`sampler.epoch_order`).
+    """A map-style dataset shuffled per epoch by seed + epoch (`training.state.epoch_order`).
 
     Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
     count of consumed positions: O(1) to resume, under any world size. Streams `num_epochs`
@@ -129,7 +134,7 @@ class MapDistributor(_KeyedDistributor):
             self._cache = (epoch, epoch_order(len(self.dataset), self.seed, epoch, self.shuffle))
         return self._cache[1]
 
-    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[int]:
+    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[int]:
         _check_coordinates(dp_rank, dp_world_size)
         n = len(self.dataset)
         if self.drop_last and n < dp_world_size:
@@ -144,8 +149,8 @@ class MapDistributor(_KeyedDistributor):
                 yield int(order[position % n])
             self.epoch, self.consumed = epoch + 1, 0
 
-    def fetch(self, key: int) -> Any:
-        return self.dataset[key]
+    def fetch(self, index: int) -> Any:
+        return self.dataset[index]
 
     def _setup(self) -> dict[str, Any]:
         return order_setup(self)
@@ -175,7 +180,7 @@ class IterableDistributor(_KeyedDistributor):
         self.fingerprint = f"len={len(iterable)}" if isinstance(iterable, Sized) else "unsized"
         self.consumed = 0
 
-    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
+    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
         _check_coordinates(dp_rank, dp_world_size)
         start = self.consumed
         for k, item in enumerate(self.iterable):
@@ -238,7 +243,7 @@ class RankPartitionedDistributor(_KeyedDistributor):
             first += count
         raise AssertionError("unreachable: rank_split covers every rank")
 
-    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple[int, Any]]:
+    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple[int, Any]]:
         source, sub_rank, sub_world = self.assignment(dp_rank, dp_world_size)
         saved, now = [self.dp_world_size, self.source], [dp_world_size, source]
         if saved != [None, None] and saved != now:
@@ -247,11 +252,11 @@ class RankPartitionedDistributor(_KeyedDistributor):
                 f"[dp_world_size, source]: saved {saved}, now {now}"
             )
         self.dp_world_size, self.source = dp_world_size, source
-        for key in self.sources[source].keys(sub_rank, sub_world):
-            yield source, key
+        for index in self.sources[source].indices(sub_rank, sub_world):
+            yield source, index
 
-    def fetch(self, key: tuple[int, Any]) -> Any:
-        return self.sources[key[0]].fetch(key[1])
+    def fetch(self, index: tuple[int, Any]) -> Any:
+        return self.sources[index[0]].fetch(index[1])
 
     def state_dict(self) -> dict[str, Any]:
         position = None if self.source is None else self.sources[self.source].state_dict()
@@ -331,27 +336,27 @@ class MixtureDistributor(_KeyedDistributor):
                 )
             self.coordinates = now
 
-    def keys(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple]:
+    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple]:
         self._check_rank(dp_rank, dp_world_size)
-        streams = [source.keys(dp_rank, dp_world_size) for source in self.sources]
+        streams = [source.indices(dp_rank, dp_world_size) for source in self.sources]
         end = object()
         while True:
             i = pick_source(self.counts, self.shares, self.largest)
-            key = next(streams[i], end)
-            if key is end:
+            index = next(streams[i], end)
+            if index is end:
                 return
             if self.by == "samples":
                 self.counts[i] += 1
-                yield (i, key)
-            else:  # the item is read here to count it; the key carries it to fetch
-                item = self.sources[i].fetch(key)
+                yield (i, index)
+            else:  # the item is read here to count it; the index carries it to fetch
+                item = self.sources[i].fetch(index)
                 size = self.size_fn(item)
                 self.counts[i] += size
                 self.largest = max(self.largest, size)
-                yield (i, key, item)
+                yield (i, index, item)
 
-    def fetch(self, key: tuple) -> Any:
-        return key[2] if len(key) == 3 else self.sources[key[0]].fetch(key[1])
+    def fetch(self, index: tuple) -> Any:
+        return index[2] if len(index) == 3 else self.sources[index[0]].fetch(index[1])
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -38,21 +38,21 @@ def run_roles(
 ) -> Iterator[tuple[dict, dict, dict]]:
     """Yield (batch, position, counters) for this worker's groups of the rank's sequence.
 
-    With a fixed group size the worker reads only its own groups' keys; otherwise (packing)
+    With a fixed group size the worker reads only its own groups' indices; otherwise (packing)
     every worker runs the rank's whole sequence and collates only its own groups. `position`
     is the distributor state before the batcher's pending samples plus the batcher state:
     loading both continues the sequence right after this batch."""
     block = batcher.group_size
-    keys = distributor.keys(dp_rank, dp_world_size)
+    indices = distributor.indices(dp_rank, dp_world_size)
     if block:
-        keys = worker_share(keys, worker_id, num_workers, block)
+        indices = worker_share(indices, worker_id, num_workers, block)
     positions = {0: distributor.state_dict()}  # packing: distributor state after each sample
     pulled = 0
 
     def samples() -> Iterator[dict]:
         nonlocal pulled
-        for key in keys:
-            sample = processor.process(distributor.fetch(key))
+        for index in indices:
+            sample = processor.process(distributor.fetch(index))
             pulled += 1
             if not block:
                 positions[pulled] = distributor.state_dict()

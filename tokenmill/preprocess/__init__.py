@@ -1,0 +1,5 @@
+"""The preprocessing half: raw records -> exact tokens and masks -> shards. Never imports torch.
+
+inputs -> records -> fields -> config -> tokenizer + chat_template -> spans -> masking ->
+packing -> chunks -> engine (local | ray_engine, with plans) -> pipeline (+ runlog).
+"""

@@ -1,4 +1,8 @@
-"""TODO docstring"""
+"""The chat template sandbox: a conversation rendered as the tokenizer's own template renders it.
+
+Same sandbox, helpers and variables as transformers' `apply_chat_template`, without
+importing transformers; templates are compiled once per process.
+"""
 
 from __future__ import annotations
 

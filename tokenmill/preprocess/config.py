@@ -149,7 +149,7 @@ class Preprocessing(_Strict):
     )
 
 
-class Output(_Strict):
+class OutputConfig(_Strict):
     domain_key: str | None = Field(
         None, description="record field whose value names the domain subfolder"
     )
@@ -183,8 +183,8 @@ class PipelineConfig(_Strict):
     preprocessing: Preprocessing = Field(
         default_factory=Preprocessing, description="lengths, filters, packing"
     )
-    output: Output = Field(
-        default_factory=lambda: Output(), description="where and how shards are written"
+    output: OutputConfig = Field(
+        default_factory=lambda: OutputConfig(), description="where and how shards are written"
     )
 
     @field_validator("mask")
@@ -335,7 +335,7 @@ def config_reference() -> str:
         (Section, "input.sections[]."),
         (Source, "input.sources.<output_key>."),
         (Preprocessing, "preprocessing."),
-        (Output, "output."),
+        (OutputConfig, "output."),
     ]
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
     for model, prefix in parts:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import chain, islice
 from multiprocessing import get_context
@@ -32,7 +32,7 @@ class Engine(Protocol):
     def results(
         self, files: Sequence[InputPath], config: PipelineConfig, tokenizer_path: str,
         collect_errors: bool, first_chunk: int,
-    ) -> Iterator[ChunkResult]: ...  # fmt: skip
+    ) -> Generator[ChunkResult, None, None]: ...  # fmt: skip
 
     def writer(
         self, domain_dir: Path, dtypes: dict[str, str], primary_key: str,
@@ -67,7 +67,7 @@ class LocalEngine:
         tokenizer_path: str,
         collect_errors: bool,
         first_chunk: int,
-    ) -> Iterator[ChunkResult]:
+    ) -> Generator[ChunkResult, None, None]:
         chunks = (c for c in iter_chunks(files, config, collect_errors) if c.index >= first_chunk)
         args = (config.model_dump(mode="json"), tokenizer_path)
         workers = self.workers or os.cpu_count() or 1

@@ -1,4 +1,7 @@
-"""TODO docstring"""
+"""Fields of a record: dotted-path lookup and the checks of chat messages.
+
+Every failure is a `RecordError` naming the record's file, line and field.
+"""
 
 from __future__ import annotations
 

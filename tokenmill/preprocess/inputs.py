@@ -1,4 +1,8 @@
-"""TODO docstring"""
+"""Input files: which files a run reads and how their bytes are opened.
+
+Local paths and URLs (fsspec), folders expanded in a fixed order, `.gz`/`.zst` decompressed
+as streams, Parquet opened by pyarrow; every file's identity (size, stamp) for resume.
+"""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 
-Output = dict[str, "np.ndarray | list[np.ndarray]"]
+RecordArrays = dict[str, "np.ndarray | list[np.ndarray]"]
 
 
 # Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
@@ -87,7 +87,7 @@ class RecordMasker:
         )
 
     # --- processing ----------------------------------------------------------------------
-    def process(self, data: dict | Record, source: str = "<record>", line: int = 0) -> Output:
+    def process(self, data: dict | Record, source: str = "<record>", line: int = 0) -> RecordArrays:
         record = data if isinstance(data, Record) else Record(source, line, data)
         if not isinstance(record.data, dict):
             raise RecordError(
@@ -103,11 +103,11 @@ class RecordMasker:
         self._check_chars(record, counter[0])
         return out
 
-    def _outputs(self, record: Record, counter: list[int]) -> Output:
+    def _outputs(self, record: Record, counter: list[int]) -> RecordArrays:
         if not self.config.multi_output:
             ids, mask = self._sections(record, self.config.input.sections, counter)
             ids, mask = self._truncate(ids, mask)
-            out: Output = {"sequence": ids}
+            out: RecordArrays = {"sequence": ids}
             if self.single_needs_mask():
                 out["loss_mask"] = mask
             if _can_train(self.config.input.sections) and not mask.any():
@@ -124,8 +124,8 @@ class RecordMasker:
             out = self._sources(record, counter)
         return out
 
-    def _sources(self, record: Record, counter: list[int]) -> Output:
-        out: Output = {}
+    def _sources(self, record: Record, counter: list[int]) -> RecordArrays:
+        out: RecordArrays = {}
         group_sizes: dict[str, int] = {}
         values: dict[str, np.ndarray] = {}
         for key, source in (self.config.input.sources or {}).items():

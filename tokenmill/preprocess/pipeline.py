@@ -1,4 +1,4 @@
-"""Pipeline: input files -> masked, packed records -> shards + manifest, on all local cores.
+"""Pipeline: input files -> masked, packed records -> shards + manifest, on an engine.
 
 The orchestration stage. Records are cut into fixed chunks of `batch_size` in
 input order (file, then line); workers process chunks, and the writer consumes
@@ -13,7 +13,7 @@ import contextlib
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,9 @@ class Pipeline:
             if bar is not None:
                 bar.close()
 
-    def _results(self, files: list[InputPath], chunks_done: int) -> Iterator[ChunkResult]:
+    def _results(
+        self, files: list[InputPath], chunks_done: int
+    ) -> Generator[ChunkResult, None, None]:
         collect = self.on_error == "skip"
         return self._engine.results(files, self.config, self.tokenizer_path, collect, chunks_done)
 

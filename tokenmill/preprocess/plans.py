@@ -35,7 +35,7 @@ class FileScan:
 
 
 @dataclass
-class Segment:
+class FileRange:
     """Records number `first` .. `first + len(lines) - 1` (0-based, in read order) of one file."""
 
     path: str
@@ -49,7 +49,7 @@ class ChunkPlan:
     """What a worker needs to rebuild chunk `index` without the driver reading any record."""
 
     index: int
-    segments: list[Segment] = field(default_factory=list)
+    ranges: list[FileRange] = field(default_factory=list)
     read_errors: list[RecordError] = field(default_factory=list)
     size: int = 0
 
@@ -86,7 +86,7 @@ def plan_chunks(
         while True:
             take = min(count - done, batch_size - plan.size)
             if take:
-                plan.segments.append(_segment(scan, done, take))
+                plan.ranges.append(_file_range(scan, done, take))
                 plan.size += take
                 done += take
             while e < len(errors) and (
@@ -106,22 +106,22 @@ def plan_chunks(
         yield plan
 
 
-def _segment(scan: FileScan, first: int, count: int) -> Segment:
+def _file_range(scan: FileScan, first: int, count: int) -> FileRange:
     offset = int(scan.offsets[first]) if len(scan.offsets) else -1
-    return Segment(scan.path, first, scan.lines[first : first + count].copy(), offset)
+    return FileRange(scan.path, first, scan.lines[first : first + count].copy(), offset)
 
 
-def read_chunk(plan: ChunkPlan, reader: SegmentReader | None = None) -> Chunk:
+def read_chunk(plan: ChunkPlan, reader: FileRangeReader | None = None) -> Chunk:
     """The chunk a plan describes, read from the input files (the records `iter_chunks` gives);
     a file that no longer holds the records its scan found raises: none is silently lost."""
-    reader = reader or SegmentReader()
+    reader = reader or FileRangeReader()
     records: list[Record] = []
-    for segment in plan.segments:
-        got = list(reader.read(segment))
-        if [r.line for r in got] != segment.lines.tolist():
+    for file_range in plan.ranges:
+        got = list(reader.read(file_range))
+        if [r.line for r in got] != file_range.lines.tolist():
             raise RuntimeError(
-                f"{segment.path}: changed since it was scanned (records {segment.first + 1}.."
-                f"{segment.first + len(segment.lines)} are not the ones found then)"
+                f"{file_range.path}: changed since it was scanned (records {file_range.first + 1}.."
+                f"{file_range.first + len(file_range.lines)} are not the ones found then)"
             )
         records.extend(got)
     return Chunk(plan.index, records, list(plan.read_errors))
@@ -135,20 +135,20 @@ def work_units(plans: Iterable[ChunkPlan]) -> Iterator[list[ChunkPlan]]:
     unit: list[ChunkPlan] = []
     follows: str | None = None
     for plan in plans:
-        first = plan.segments[0].path if plan.segments else None
+        first = plan.ranges[0].path if plan.ranges else None
         if unit and not (first is not None and first == follows):
             yield unit
             unit = []
         if not unit:
-            last = plan.segments[-1].path if plan.segments else None
+            last = plan.ranges[-1].path if plan.ranges else None
             follows = last if last is not None and not _seekable(last) else None
         unit.append(plan)
     if unit:
         yield unit
 
 
-class SegmentReader:
-    """Reads segments in file order; an unseekable stream stays open from one segment to the next."""
+class FileRangeReader:
+    """Reads ranges in file order; an unseekable stream stays open from one file_range to the next."""
 
     def __init__(self) -> None:
         self.path: str | None = None
@@ -157,27 +157,27 @@ class SegmentReader:
         self.closer: contextlib.ExitStack | None = None
         self.document: list[Record] = []  # the records of the open .json document
 
-    def read(self, segment: Segment) -> Iterator[Record]:
-        if _is_jsonl(segment.path):
-            return self._jsonl(segment)
-        if input_suffix(segment.path) == ".parquet":
-            return _read_parquet_rows(segment)
-        if self.path != segment.path:  # a .json document is parsed whole, once per unit
+    def read(self, file_range: FileRange) -> Iterator[Record]:
+        if _is_jsonl(file_range.path):
+            return self._jsonl(file_range)
+        if input_suffix(file_range.path) == ".parquet":
+            return _read_parquet_rows(file_range)
+        if self.path != file_range.path:  # a .json document is parsed whole, once per unit
             self.close()
-            self.path = segment.path
-            self.document = list(read_records(segment.path, on_error=lambda err: None))
-        return iter(self.document[segment.first : segment.first + len(segment.lines)])
+            self.path = file_range.path
+            self.document = list(read_records(file_range.path, on_error=lambda err: None))
+        return iter(self.document[file_range.first : file_range.first + len(file_range.lines)])
 
-    def _jsonl(self, segment: Segment) -> Iterator[Record]:
-        path = segment.path
-        if self.path != segment.path or self.stream is None or self.position > segment.offset:
+    def _jsonl(self, file_range: FileRange) -> Iterator[Record]:
+        path = file_range.path
+        if self.path != file_range.path or self.stream is None or self.position > file_range.offset:
             self.close()
             self.closer = contextlib.ExitStack()
             self.stream = self.closer.enter_context(open_bytes(path))
-            self.path, self.position = segment.path, 0
-        _skip(self.stream, segment.offset - self.position, segment.offset, path)
-        self.position = segment.offset
-        wanted = segment.lines
+            self.path, self.position = file_range.path, 0
+        _skip(self.stream, file_range.offset - self.position, file_range.offset, path)
+        self.position = file_range.offset
+        wanted = file_range.lines
         taken = 0
         for line, raw in enumerate(self.stream, start=int(wanted[0])):
             self.position += len(raw)
@@ -199,14 +199,14 @@ class SegmentReader:
         self.path, self.stream, self.closer, self.document = None, None, None, []
 
 
-def _read_parquet_rows(segment: Segment) -> Iterator[Record]:
+def _read_parquet_rows(file_range: FileRange) -> Iterator[Record]:
     """Rows first..first+n, starting at the row group that holds row `first`."""
-    path = segment.path
+    path = file_range.path
     with open_parquet(path) as parquet:
         group, row = 0, 0
         while (
             group < parquet.num_row_groups
-            and row + parquet.metadata.row_group(group).num_rows <= segment.first
+            and row + parquet.metadata.row_group(group).num_rows <= file_range.first
         ):
             row += parquet.metadata.row_group(group).num_rows
             group += 1
@@ -215,10 +215,10 @@ def _read_parquet_rows(segment: Segment) -> Iterator[Record]:
         for batch in parquet.iter_batches(batch_size=1024, row_groups=groups):
             for data in batch.to_pylist():
                 row += 1
-                if row > segment.first:
+                if row > file_range.first:
                     yield Record(path, row, data)
                     taken += 1
-                    if taken == len(segment.lines):
+                    if taken == len(file_range.lines):
                         return
 
 

@@ -17,7 +17,7 @@ import collections
 import contextlib
 import math
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -30,8 +30,8 @@ from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.plans import (
+    FileRangeReader,
     FileScan,
-    SegmentReader,
     plan_chunks,
     read_chunk,
     scan_file,
@@ -85,7 +85,7 @@ class ChunkWorker:
         ChunkResult with each row replaced by its domain) and its rows, yielded chunk by chunk
         (Ray Data may put several in one block). The columns hold Python objects that Ray Data
         serialises itself."""
-        reader = SegmentReader()
+        reader = FileRangeReader()
         try:
             for unit in batch["unit"]:
                 for plan in unit:
@@ -139,7 +139,7 @@ def ray_results(
     args: tuple[dict, str],
     workers: int | None,
     first_chunk: int = 0,
-) -> Iterator[ChunkResult]:
+) -> Generator[ChunkResult, None, None]:
     """ChunkResults of `files` from chunk `first_chunk` on, in chunk order, computed on Ray;
     `args` = (config data, tokenizer path), as `setup_worker` takes them. Each result's rows are
     RowRefs: the rows stay in the object store until a RayShardWriter writes them."""
@@ -413,7 +413,7 @@ class RayEngine:
         tokenizer_path: str,
         collect_errors: bool,
         first_chunk: int,
-    ) -> Iterator[ChunkResult]:
+    ) -> Generator[ChunkResult, None, None]:
         args = (config.model_dump(mode="json"), tokenizer_path)
         return ray_results(self.ray, files, args, self.workers, first_chunk=first_chunk)
 

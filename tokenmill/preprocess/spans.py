@@ -1,9 +1,8 @@
-"""Chat templates: a local Hugging Face tokenizer folder -> exact ids and loss masks.
+"""Spans: one rendering of a conversation -> its ids and a loss mask per message.
 
-masking.py calls `render_conversation` for each chat section of a record and
-`encode_text` for plain text; the run's fingerprint includes
-`TokenizerBundle.fingerprint`. Rendering follows transformers' `apply_chat_template`
-(same sandbox, helpers and variables) without importing transformers.
+Message k's span is what it adds to the rendering (its header and end-of-turn included);
+each token takes the action of the span holding its first character. masking.py calls
+`render_conversation` for each chat section of a record.
 """
 
 from __future__ import annotations

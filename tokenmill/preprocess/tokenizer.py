@@ -1,4 +1,8 @@
-"""TODO docstring"""
+"""A local Hugging Face tokenizer folder: the tokenizer, its chat template, its special tokens.
+
+Loaded once per process; `TokenizerBundle.fingerprint` enters the run's identity, and
+`encode_text` is how plain text becomes ids.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,6 @@
+"""The shard format, shared by both halves: numpy only, never torch.
+
+format (names, dtypes, limits) -> buffers (records into columns) -> files (durable writes)
+-> writer (shards published whole) -> reader (meta.json, memory maps) -> manifest
+(written last: the commit point) -> verify (sizes, checksums, offsets).
+"""

@@ -1,4 +1,8 @@
-"""TODO docstring"""
+"""One shard's records in memory, key by key, until the writer publishes them.
+
+The first record fixes the keys, which of them are lists (GRPO groups) and their dtypes;
+every later record must match, so a shard never mixes layouts.
+"""
 
 from __future__ import annotations
 

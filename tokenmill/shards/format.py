@@ -1,8 +1,8 @@
-"""The on-disk format: output records -> shard folders of flat arrays + offsets, and back.
+"""The shard format's vocabulary: names, dtypes, limits, and the counts every layer shares.
 
-The pipeline feeds records to ShardWriter; store.py maps what it publishes; `tokenmill
-verify` runs verify.verify_dataset. A shard is written aside and renamed into place, so a
-visible shard is a complete one (docs/dataflow.md section 2 is the contract).
+A dataset folder holds shard folders (`shard_NNNNN/`: `meta.json` and one flat `<key>.bin`
+per key, record offsets beside it) or JSONL parts, and `manifest.json`;
+docs/dataflow.md section 2 is the contract.
 """
 
 from __future__ import annotations

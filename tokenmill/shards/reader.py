@@ -1,4 +1,8 @@
-"""TODO docstring"""
+"""Reading shards: `meta.json` checked, arrays memory-mapped read-only, sizes checked.
+
+The one reader of shard arrays: the training stores, `tokenmill inspect` and `tokenmill
+verify` all map files through `map_array`, so a truncated file fails the same way everywhere.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`tokenmill verify`: every shard checked against its meta.json and the manifest.
 
-Beside shards.py (the format): sizes, xxh64 checksums, offsets monotonic and in
+Beside reader.py (the shard reader): sizes, xxh64 checksums, offsets monotonic and in
 range, leftover temp folders, and manifest agreement; each problem names its
 shard, file and key, so a truncated or corrupted dataset is found before training.
 """

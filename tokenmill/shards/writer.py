@@ -1,4 +1,9 @@
-"""TODO docstring"""
+"""Writing shards: records in, complete shards out, never a torn one.
+
+A shard is staged in a temp folder (arrays, offsets, fsync, `meta.json` last) and renamed
+into place; `ShardCutter` decides where shards end from token counts alone, so the local
+writer and the Ray engine's planner cut the same shards.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""TODO docstring"""
+"""Choosing a store: `detect_format` for a path, `StoreFactory.create` for a format name."""
 
 from __future__ import annotations
 

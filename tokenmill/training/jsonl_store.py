@@ -1,8 +1,8 @@
 """JsonlStore: raw or pre-tokenized JSONL served through the Store interface.
 
-Beside store.py (the Store contract and MmapStore): records are transformed eagerly
+Beside store.py (the Store contract): records are transformed eagerly
 (`transform=`, a `dataset_config.json`, or the built-in chat config) into in-memory
-segments, or lazily (`processor=`) from an index of line positions, so memory stays
+parts, or lazily (`processor=`) from an index of line positions, so memory stays
 flat in the number of records.
 """
 
@@ -78,7 +78,7 @@ class JsonlStore(Store):
         self._file_starts = cumulative([len(p) for p in per_file])
         self._line_pos = np.concatenate(per_file) if per_file else np.empty(0, np.int64)
         self.fingerprint = digest.hexdigest()[:16]
-        self._segments = None
+        self._parts = None
         self._lazy_keys: list[str] | None = None
 
     @property

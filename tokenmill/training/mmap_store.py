@@ -1,4 +1,8 @@
-"""TODO docstring"""
+"""MmapStore: every shard below a folder, memory-mapped read-only.
+
+Opening costs O(shards), not O(records); pickling carries paths, never data, so DataLoader
+workers map the files themselves and share the page cache.
+"""
 
 from __future__ import annotations
 
@@ -87,8 +91,8 @@ class MmapStore(Store):
     def __getstate__(self) -> dict:
         """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
         state = dict(self.__dict__)
-        if state.get("_segments") is not None:
-            state.update(_segments=None, _starts=None, _record_starts=None, _values={})
+        if state.get("_parts") is not None:
+            state.update(_parts=None, _starts=None, _record_starts=None, _values={})
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -1,4 +1,4 @@
-"""TODO docstring"""
+"""RDSampler: the sample order for a plain torch DataLoader, resumable exactly once."""
 
 from __future__ import annotations
 

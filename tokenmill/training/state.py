@@ -1,9 +1,8 @@
-"""Sample order: which dataset index each rank reads, epoch by epoch, and `RDSampler`.
+"""Sample order and resume state, shared by RDSampler and the dataflow's distributors.
 
-Sits between the datasets (`datasets.py`) and training. A plain torch DataLoader takes
-`RDSampler`; the dataflow's `MapDistributor` uses the same order functions. An epoch's
-global order is a pure function of (seed, epoch, dataset length); global position p goes
-to rank p % world_size, so a count of consumed positions resumes under any world size.
+An epoch's global order is a pure function of (seed, epoch, dataset length); global position
+p goes to rank p % world_size, so a count of consumed positions resumes under any world size.
+States carry a version and their setup, and refuse to load under another one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Stores: a dataset folder of shards, or raw JSONL, -> tensors by window or by record.
+"""The Store interface: stream access by window and record access by offsets.
 
-Sits between shards.py (the on-disk format) and datasets.py. `fetch(begin, end, keys)`
-reads a key's stream across shard boundaries; `fetch_record(i, keys)` reads record i by
-offsets. MmapStore maps files read-only, so DataLoader workers share the page cache;
-JsonlStore keeps transformed records in the same layout, or processes them lazily.
+`fetch(begin, end, keys)` reads a key's stream across shard boundaries;
+`fetch_record(i, keys)` reads record i by its offsets. MmapStore (shards) and JsonlStore
+(raw or pre-tokenized JSONL) fill it with parts: one per shard, or one in-memory load.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class StorePart:
 
 
 class Store:
-    """Stream access (`fetch`, `sample_window`) and record access (`fetch_record`) over segments."""
+    """Stream access (`fetch`, `sample_window`) and record access (`fetch_record`) over parts."""
 
     def __init__(self, window_size: int | None = None, stride: int | None = None):
         for name, value in (("window_size", window_size), ("stride", stride)):
@@ -59,9 +58,9 @@ class Store:
             raise ValueError("stride needs window_size")
         self.window_size = window_size
         self.stride = stride or window_size
-        self._segments: list[StorePart] | None = None
+        self._parts: list[StorePart] | None = None
         self._starts: dict[str, list[int]] = {}
-        self._values: dict[str, list[np.ndarray]] = {}  # key -> each segment's values
+        self._values: dict[str, list[np.ndarray]] = {}  # key -> each part's values
         self._shared_starts: list[int] | None = None  # set when every key has the same starts
         self._num_samples = 0
 
@@ -75,37 +74,37 @@ class Store:
         raise NotImplementedError
 
     # --- layout --------------------------------------------------------------------------
-    def _set_parts(self, segments: list[StorePart]) -> None:
-        """Checks every segment has the first one's keys and dtypes; builds cumulative starts."""
-        first = segments[0].columns
-        for seg in segments[1:]:
+    def _set_parts(self, parts: list[StorePart]) -> None:
+        """Checks every part has the first one's keys and dtypes; builds cumulative starts."""
+        first = parts[0].columns
+        for seg in parts[1:]:
             if seg.columns.keys() != first.keys():
                 raise ValueError(
-                    f"{seg.name}: keys {sorted(seg.columns)} differ from {segments[0].name}'s {sorted(first)}"
+                    f"{seg.name}: keys {sorted(seg.columns)} differ from {parts[0].name}'s {sorted(first)}"
                 )
             for key, col in seg.columns.items():
                 if col.values.dtype != first[key].values.dtype:
                     raise ValueError(
-                        f"{seg.name}: key {key!r} is {col.values.dtype}, {segments[0].name} has {first[key].values.dtype}"
+                        f"{seg.name}: key {key!r} is {col.values.dtype}, {parts[0].name} has {first[key].values.dtype}"
                     )
         self._keys = list(first)
         self._starts = {
-            k: cumulative([len(s.columns[k].values) for s in segments]) for k in self._keys
+            k: cumulative([len(s.columns[k].values) for s in parts]) for k in self._keys
         }
-        self._record_starts = cumulative([s.records for s in segments])
-        self._values = {k: [s.columns[k].values for s in segments] for k in self._keys}
+        self._record_starts = cumulative([s.records for s in parts])
+        self._values = {k: [s.columns[k].values for s in parts] for k in self._keys}
         starts = list(self._starts.values())
         self._shared_starts = starts[0] if all(st == starts[0] for st in starts) else None
-        self._segments = segments
+        self._parts = parts
         if self.window_size is not None:  # fixed at load: sample_window runs once per item
             self._num_samples = window_count(
                 self.token_count, self.window_size, self.stride or self.window_size
             )
 
     def _loaded(self) -> list[StorePart]:
-        if self._segments is None:
+        if self._parts is None:
             raise RuntimeError("Store not loaded")
-        return self._segments
+        return self._parts
 
     def _key(self, key: str) -> str:
         if key not in self._starts:
@@ -153,11 +152,11 @@ class Store:
         return window_bounds(i, self.window_size or 0, self.stride or 0)
 
     def fetch(self, begin: int, end: int, keys: str | list[str]) -> Any:
-        """Elements [begin, end) of each key's stream (all segments concatenated)."""
+        """Elements [begin, end) of each key's stream (all parts concatenated)."""
         self._loaded()
         if isinstance(keys, str):
             return to_tensor(self._array(begin, end, self._key(keys)))
-        inside = self._one_segment(begin, end)
+        inside = self._one_part(begin, end)
         if inside is not None:  # the common case, kept to one slice and one copy per key
             s, lo, hi = inside
             try:
@@ -167,17 +166,17 @@ class Store:
         return {k: to_tensor(self._array(begin, end, self._key(k))) for k in keys}
 
     def fetch_arrays(self, begin: int, end: int, keys: list[str]) -> dict[str, np.ndarray]:
-        """fetch as numpy arrays, without the copy: inside one segment they are read-only
+        """fetch as numpy arrays, without the copy: inside one part they are read-only
         views of the maps (datasets shift and widen them in the one copy they make)."""
         self._loaded()
-        inside = self._one_segment(begin, end)
+        inside = self._one_part(begin, end)
         if inside is not None:
             s, lo, hi = inside
             return {k: self._values[self._key(k)][s][lo:hi] for k in keys}
         return {k: self._array(begin, end, self._key(k)) for k in keys}
 
-    def _one_segment(self, begin: int, end: int) -> tuple[int, int, int] | None:
-        """(segment, local begin, local end) when every key's [begin, end) lies in one segment."""
+    def _one_part(self, begin: int, end: int) -> tuple[int, int, int] | None:
+        """(part, local begin, local end) when every key's [begin, end) lies in one part."""
         starts = self._shared_starts
         if starts is None:
             return None
@@ -192,7 +191,7 @@ class Store:
             raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
         values = self._values[key]
         s = min(bisect_right(starts, begin) - 1, len(values) - 1)
-        if end <= starts[s + 1]:  # inside one segment: one slice
+        if end <= starts[s + 1]:  # inside one part: one slice
             return values[s][begin - starts[s] : end - starts[s]]
         pieces, pos = [], begin
         while pos < end:
@@ -214,7 +213,7 @@ class Store:
         return out[keys] if isinstance(keys, str) else out
 
     def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
-        """Record i's arrays by offsets: the segment by bisection, then its offsets."""
+        """Record i's arrays by offsets: the part by bisection, then its offsets."""
         s = bisect_right(self._record_starts, i) - 1
         seg, local = self._loaded()[s], i - self._record_starts[s]
         return {key: _record_value(seg, self._key(key), local) for key in keys}
@@ -234,7 +233,7 @@ class Store:
 
 
 def cumulative(lengths: list[int]) -> list[int]:
-    """Start of each segment and the total: bisect on this finds a position's segment (O(shards))."""
+    """Start of each part and the total: bisect on this finds a position's part (O(shards))."""
     return [0, *accumulate(int(n) for n in lengths)]
 
 

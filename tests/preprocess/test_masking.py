@@ -1,15 +1,14 @@
 """RecordMasker: exact ids and masks per section rule, and every way a record is refused."""
 
-from pathlib import Path
-
 import pytest
+from helpers import ROOT
 
 from tokenmill.preprocess.config import PipelineConfig, default_config
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import RecordError
 from tokenmill.preprocess.tokenizer import load_tokenizer
 
-TOK = Path(__file__).resolve().parent.parent / "data" / "tokenizers"
+TOK = ROOT / "data" / "tokenizers"
 QWEN = load_tokenizer(TOK / "qwen2.5")
 DEEPSEEK = load_tokenizer(TOK / "deepseek-v3")
 IM_END, IM_START = 151645, 151644

@@ -8,10 +8,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from resume import ToyDataset, check_resume, roles, same, sample_ids
 from torch.utils.data import get_worker_info
 
@@ -30,7 +30,7 @@ from tokenmill.dataflow import (
 from tokenmill.dataflow.distributors import DataDistributor
 from tokenmill.training.state import epoch_order
 
-ROOT = Path(__file__).parent.parent
+ROOT = ROOT
 
 
 def loader(
@@ -179,6 +179,7 @@ class DieInWorker(RawItemProcessor):
         return item
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sleep", [False, True], ids=["worker-dies", "worker-hangs"])
 def test_a_dead_or_stuck_worker_raises_in_the_main_process_within_seconds(sleep):
     victim = epoch_order(20, 9, 0)[10]
@@ -196,6 +197,7 @@ def test_a_dead_or_stuck_worker_raises_in_the_main_process_within_seconds(sleep)
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.slow
 def test_taking_one_batch_and_exiting_is_clean():
     script = textwrap.dedent(
         """

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
@@ -26,7 +27,7 @@ from tokenmill.training.datasets import (
     SFTDataset,
 )
 
-DATA = Path(__file__).parent.parent / "data"
+DATA = ROOT / "data"
 TOKENIZER = DATA / "tokenizers" / "qwen2.5"
 IM_START, IM_END = 151644, 151645  # Qwen2.5 "<|im_start|>", "<|im_end|>"
 WINDOW = 64

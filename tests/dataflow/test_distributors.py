@@ -38,7 +38,7 @@ def test_the_seed_contract_stream_is_the_one_abstract_method():
 
     letters = Letters()
     assert letters.state_dict() == {} and letters.load_state_dict({}) is None
-    assert list(letters.keys(0, 1)) == ["a", "b", "c"] and letters.fetch("b") == "b"
+    assert list(letters.indices(0, 1)) == ["a", "b", "c"] and letters.fetch("b") == "b"
 
 
 def test_worker_share_deals_blocks_round_robin():
@@ -236,3 +236,11 @@ def test_trained_tokens_counts_masks_or_all_tokens():
         == 4
     )
     assert trained_tokens({"input_ids": torch.arange(5)}) == 5
+
+
+def test_a_distributor_with_the_old_index_method_name_is_refused():
+    with pytest.raises(TypeError, match="Old.keys: the index stream is now named `indices`"):
+
+        class Old(IterableDistributor):
+            def keys(self, dp_rank, dp_world_size):  # type: ignore[override]
+                return iter([])

@@ -327,6 +327,7 @@ def test_doc_reset_continues_a_document_split_across_rows() -> None:
 
 
 @pytest.mark.timeout(60)  # a guard against quadratic behaviour, not a benchmark
+@pytest.mark.slow
 def test_200k_documents_pack_with_exact_row_counts() -> None:
     # Lengths 0..3000 spread evenly by a fixed stride; 63,445 docs exceed max_len.
     lengths = (np.arange(200_000, dtype=np.int64) * 7919) % 3001

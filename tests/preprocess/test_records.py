@@ -14,13 +14,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from helpers import ROOT
 from malformed import CASES, CHAT_ROLES, PIPELINE_CASES, RECORDS_CASES, Case
 
 from tokenmill.preprocess.fields import check_messages, get_field
 from tokenmill.preprocess.inputs import INPUT_SUFFIXES, list_inputs
 from tokenmill.preprocess.records import Record, RecordError, read_records
 
-DATA = Path(__file__).parent.parent / "data"
+DATA = ROOT / "data"
 
 
 def _write(tmp_path: Path, name: str, content: bytes) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT
 from malformed import PIPELINE_CASES, PIPELINE_CONFIGS
 
 from tokenmill.preprocess.config import PipelineConfig, default_config
@@ -23,7 +24,7 @@ from tokenmill.shards.reader import find_shards
 from tokenmill.shards.verify import verify_dataset
 from tokenmill.training.mmap_store import MmapStore
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 DATA = ROOT / "data"
 QWEN = DATA / "tokenizers" / "qwen2.5"
 DEEPSEEK = DATA / "tokenizers" / "deepseek-v3"
@@ -91,6 +92,7 @@ def test_every_training_type_writes_its_keys(tmp_path, train_type):
         assert store.num_records == summary.records_written
 
 
+@pytest.mark.slow
 def test_output_bytes_do_not_depend_on_worker_count(tmp_path):
     src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 120)
     cfg = config(
@@ -280,6 +282,7 @@ def test_malformed_pipeline_cases(tmp_path, case):
     assert summary.skipped.get(reason) == 1
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_identical_bytes(tmp_path):
     src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 400)
     cfg_path = tmp_path / "sft.json"

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from helpers import ROOT
 
 from tokenmill.preprocess.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
 
@@ -164,11 +165,10 @@ def test_default_configs_all_validate():
 
 
 def test_docs_config_reference_is_generated_from_the_model():
-    from pathlib import Path
 
     from tokenmill.preprocess.config import config_reference
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "config.md").read_text()
+    doc = (ROOT / "docs" / "config.md").read_text()
     assert doc.endswith(config_reference()), (
         "docs/config.md is stale: regenerate it from config_reference()"
     )

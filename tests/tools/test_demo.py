@@ -2,7 +2,11 @@
 
 import math
 
+import pytest
+
 from tokenmill.tools.demo import run_demo
+
+pytestmark = pytest.mark.slow  # the whole demo
 
 
 def test_demo_trains_stops_resumes_exactly_once(tmp_path):

@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import socket
 import subprocess
 import sys
 from itertools import product
 from pathlib import Path
 
+import pytest
 import torch
+from helpers import ROOT, TESTS
 
-ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow  # torchrun
 SOURCES = {
     "seq": "pretrain_c4_300.jsonl",
     "sft": "chat_sharegpt_1000.jsonl",
@@ -63,7 +66,8 @@ def test_resume_grid_in_two_real_processes(tmp_path):
         "--master_addr=127.0.0.1", f"--master_port={free_port()}",
         __file__, str(tmp_path / "data"), str(tmp_path),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}  # the script imports helpers and resume
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-6000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert sum(r["cells"] for r in reports) == 4 * 2 + 4 * 2 * 2  # world 1 split, world 2 on both
@@ -253,5 +257,4 @@ def main(data: Path, out: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -7,17 +7,17 @@ import itertools
 import json
 import os
 import shutil
-from pathlib import Path
 
 import jinja2
 import numpy as np
 import pytest
+from helpers import ROOT
 
 from tokenmill.preprocess.chat_template import render_text
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
 
-DATA = Path(__file__).parent.parent / "data"
+DATA = ROOT / "data"
 FAMILIES = ["qwen2.5", "deepseek-v3", "qwen3"]
 QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
 DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"

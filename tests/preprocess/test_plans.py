@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from helpers import ROOT
 from malformed import CASES
 
 from tokenmill.preprocess import plans
@@ -17,7 +18,7 @@ from tokenmill.preprocess.chunks import iter_chunks
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.plans import plan_chunks, read_chunk, scan_file
 
-DATA = Path(__file__).resolve().parent.parent / "data"
+DATA = ROOT / "data"
 
 
 def lines_of(src: Path) -> list[str]:
@@ -93,7 +94,7 @@ def test_work_units_read_each_unseekable_file_in_one_pass(tmp_path, monkeypatch)
     units = list(plans.work_units(plan_chunks(scans, 2, None)))
     got = []
     for unit in units:
-        reader = plans.SegmentReader()
+        reader = plans.FileRangeReader()
         got += [chunk_view(read_chunk(plan, reader)) for plan in unit]
         reader.close()
     assert got == expected
@@ -122,7 +123,7 @@ def test_work_units_scale_out_over_many_compressed_files(tmp_path, monkeypatch):
     assert len(units) >= len(files)  # one unit per file at least, not one for the whole chain
     got = []
     for unit in units:
-        reader = plans.SegmentReader()
+        reader = plans.FileRangeReader()
         got += [chunk_view(read_chunk(plan, reader)) for plan in unit]
         reader.close()
     cfg = PipelineConfig.from_dict(

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from helpers import ROOT
 
 from tokenmill.shards.format import FORMAT_VERSION, Column
 from tokenmill.shards.manifest import read_manifest, write_manifest
@@ -199,6 +200,7 @@ def test_exception_mid_shard_publishes_nothing(tmp_path):
         write_shard(tmp_path / "shard_00000", {"sequence": columns["sequence"]}, SFT)
 
 
+@pytest.mark.slow
 def test_process_killed_mid_write_leaves_only_a_temp_folder(tmp_path):
     """The kernel kills the writer (SIGXFSZ at a 64 KiB file-size limit) inside a .bin write."""
     child = textwrap.dedent(f"""
@@ -213,7 +215,7 @@ def test_process_killed_mid_write_leaves_only_a_temp_folder(tmp_path):
         writer.add({{"sequence": np.arange(100_000)}})
         writer.close()
     """)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, timeout=60)
     assert proc.returncode == -signal.SIGXFSZ, proc.stderr.decode()
     names = sorted(p.name for p in tmp_path.iterdir())

@@ -14,10 +14,13 @@ import random
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from resume import ToyDataset, roles, sample_ids
 
 from tokenmill.dataflow import DataflowLoader, MapDistributor
+
+pytestmark = pytest.mark.slow  # kills processes
 
 SIZE, EPOCHS, EVERY = 48, 2, 3  # samples per epoch, epochs, steps between checkpoints
 TRIALS = 50  # SIGKILLs at least

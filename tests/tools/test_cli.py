@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT
 
 from tokenmill.tools.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = ROOT
 DATA = ROOT / "data"
 QWEN = DATA / "tokenizers" / "qwen2.5"
 

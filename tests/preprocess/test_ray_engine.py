@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
 from tokenmill.preprocess import ray_engine
@@ -21,7 +22,9 @@ from tokenmill.preprocess.records import RecordError
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # Ray
+
+ROOT = ROOT
 DATA = ROOT / "data"
 QWEN = DATA / "tokenizers" / "qwen2.5"
 TYPES = {

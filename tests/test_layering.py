@@ -1,0 +1,129 @@
+"""The house's rules, checked on the source: which folder may import which, no cycle, no
+private name across modules, and neither the shard format nor preprocessing imports torch.
+
+Layers, bottom up: shards/ (the format) -> preprocess/ | training/ -> dataflow/ -> tools/.
+training/ reaches preprocess/ only through the raw-JSONL route; dataflow/ uses only
+preprocess/packing.py (the one best-fit packer).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import ROOT
+
+PACKAGE = ROOT / "tokenmill"
+# folder -> the tokenmill folders it may import from (besides itself and the package root)
+ALLOWED = {
+    "shards": set(),
+    "preprocess": {"shards"},
+    "training": {"shards", "preprocess"},
+    "dataflow": {"shards", "training", "preprocess"},
+    "tools": {"shards", "preprocess", "training", "dataflow"},
+}
+# the only modules through which a folder may reach a sibling it otherwise must not
+NARROW = {
+    ("training", "preprocess"): {"tokenmill.training.jsonl_store", "tokenmill.training.datasets"},
+    ("dataflow", "preprocess"): {"tokenmill.dataflow.batchers"},
+}
+NARROW_TARGETS = {("dataflow", "preprocess"): {"tokenmill.preprocess.packing"}}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports(path: Path, top_level_only: bool = False) -> list[tuple[str, list[str]]]:
+    """(imported tokenmill module, names) for every import in the file (or only module-level)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tokenmill"):
+            out.append((node.module or "", [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            out += [(a.name, []) for a in node.names if a.name.startswith("tokenmill")]
+    return out
+
+
+def folder(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def test_every_module_lives_in_a_folder_of_the_flow():
+    loose = [m for m in modules() if m.count(".") == 1 and folder(m) is None]
+    assert sorted(loose) == ["tokenmill.__main__"], loose
+
+
+def test_imports_run_only_downward():
+    upward = []
+    for module, path in modules().items():
+        here = folder(module)
+        if here is None:
+            continue
+        for target, _ in imports(path):
+            there = folder(target)
+            if there is None or there == here:
+                continue
+            if there not in ALLOWED[here]:
+                upward.append(f"{module} -> {target}")
+            elif (here, there) in NARROW and (
+                module not in NARROW[(here, there)]
+                or target not in NARROW_TARGETS.get((here, there), {target})
+            ):
+                upward.append(f"{module} -> {target} (only {sorted(NARROW[(here, there)])})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_private_name_crosses_a_module():
+    crossing = [
+        f"{module} imports {target}.{name}"
+        for module, path in modules().items()
+        for target, names in imports(path)
+        for name in names
+        if name.startswith("_") and name != "__version__"
+    ]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_import_cycle_at_module_level():
+    graph = {
+        module: {t for t, _ in imports(path, top_level_only=True) if t in modules() and t != module}
+        for module, path in modules().items()
+    }
+    graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(trail + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+
+
+def test_the_format_and_preprocessing_never_import_torch():
+    names = [m for m in modules() if folder(m) in ("shards", "preprocess") or m == "tokenmill"]
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
