@@ -49,7 +49,7 @@ def floor(path: Path) -> tuple[float, int]:
 def run(path: Path, out: Path, workers: int, engine: str = "local") -> tuple[float, int, int]:
     """(seconds, records read, tokens written) of one end-to-end Pipeline run on `engine`."""
     config = default_config("sft").model_dump(mode="json")
-    config["preprocessing"].update(max_seq_len=1_000_000, min_chars=0)
+    config["preprocessing"].update(max_seq_len=1_000_000, max_packed_len=1_000_000, min_chars=0)
     start = time.perf_counter()
     summary = Pipeline(
         PipelineConfig.from_dict(config),

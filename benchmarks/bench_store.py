@@ -174,7 +174,7 @@ def fetch_table(
     }
     store = StoreFactory.create("bin", window_size=window).load(root / "one_shard")
     store8 = StoreFactory.create("bin", window_size=window).load(root / "eight_shards")
-    ds = DatasetFactory.load("sft", root / "one_shard", window_size=window)
+    ds = DatasetFactory.load("sft", root / "one_shard", window_size=window, sample="window")
     if not len(floors["floor"]) == len(store) == len(store8) == len(ds):
         raise RuntimeError(f"window counts differ: {len(floors['floor'])}, {len(store)}, {len(ds)}")
     # single-process reads are ~20x faster than DataLoader batches: twice the windows and

@@ -5,7 +5,7 @@ Each `Case` is a file (name + bytes) and its expected outcome:
                                          message starts with after the folder, and its exact
                                          `field` (None: no field);
   ("ok", n_records)                      no error, exactly n records.
-`level="records"` cases are decided by records.py alone (tests/test_records.py): read every
+`level="records"` cases are decided by records.py alone (tests/preprocess/test_records.py): read every
 record, then `get_field(record, case.field)` and, when `case.chat`, `check_messages(...,
 roles=CHAT_ROLES)`. `level="pipeline"` cases parse cleanly but must fail (or pass) under
 `PIPELINE_CONFIGS[case.train_type]` when run through the Pipeline.

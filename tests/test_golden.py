@@ -136,7 +136,7 @@ def _json(state):
 
 
 def test_state_dicts_match_golden(sft_dir):
-    ds = DatasetFactory.load("sft", sft_dir, window_size=64)
+    ds = DatasetFactory.load("sft", sft_dir, window_size=64, sample="window")
     items = [{"input_ids": list(range(n % 7 + 1))} for n in range(50)]
     states = {}
 

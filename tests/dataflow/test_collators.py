@@ -279,3 +279,18 @@ def test_default_collator_with_two_workers():
     )
     assert torch.equal(batches[1]["input_ids"], torch.tensor([[3, 3, 3], [4, 4, 4], [5, 5, 5]]))
     assert torch.equal(batches[0]["target_ids"][:, 0], torch.tensor([1, 2, 3]))
+
+
+def test_packed_collator_takes_document_starts_from_stored_boundaries():
+    """Row samples carry `doc_lengths`: cu_seqlens comes from them, not from positions (which
+    here go on by one across a boundary, as a stream row's continuing document does)."""
+    samples = [
+        {"input_ids": torch.arange(5), "target_ids": torch.arange(1, 6),
+         "position_ids": torch.arange(5), "doc_lengths": torch.tensor([2, 3])},
+        {"input_ids": torch.arange(3), "target_ids": torch.arange(1, 4),
+         "position_ids": torch.tensor([7, 8, 9]), "doc_lengths": torch.tensor([3])},
+    ]  # fmt: skip
+    batch = PackedCollator().collate(samples)
+    assert batch["cu_seqlens"].tolist() == [0, 2, 5, 8]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]]
+    assert batch["max_seqlen"] == 3 and batch["num_tokens"] == 8

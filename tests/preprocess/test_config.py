@@ -22,11 +22,7 @@ def test_defaults_match_system_md():
         None,
         256,
     )
-    assert (p.packing_strategy, p.max_packed_len, p.truncation_mode) == (
-        "simple",
-        8192,
-        "keep_start",
-    )
+    assert (p.packing_strategy, p.max_packed_len, p.truncation_mode) == ("simple", 8192, "auto")
     o = c.output
     assert (o.domain_key, o.storage_format, o.max_tokens_per_shard) == (None, "bin", 100_000_000)
     assert (o.dtype, o.position_ids_mode) == ({}, "doc_reset")
@@ -114,11 +110,11 @@ def test_every_field_round_trips_from_json_and_yaml(tmp_path):
         ),
         (
             {"preprocessing": {"packing_strategy": "fast"}},
-            "preprocessing.packing_strategy: Input should be 'none', 'simple', 'bfd' or 'bfd_split'",
+            "preprocessing.packing_strategy: Input should be 'none', 'simple', 'bfd', 'bfd_split' or 'stream'",
         ),
         (
             {"preprocessing": {"truncation_mode": "middle"}},
-            "preprocessing.truncation_mode: Input should be 'keep_start' or 'keep_end'",
+            "preprocessing.truncation_mode: Input should be 'auto', 'none', 'latest_turns', 'cut_prompt', 'keep_start' or 'keep_end'",
         ),
         (
             {"output": {"storage_format": "arrow"}},

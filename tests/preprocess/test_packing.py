@@ -1,4 +1,4 @@
-"""Tests for tokenmill/packing.py: golden rows, packing invariants, position ids."""
+"""Tests for tokenmill/preprocess/packing.py: golden rows, packing invariants, position ids."""
 
 from collections import Counter
 
@@ -29,6 +29,16 @@ GOLDEN_ROWS = {
     ),
     "bfd_split": (
         [[(4, 0, 10)], [(1, 0, 7), (0, 0, 3)], [(3, 0, 5), (6, 0, 4)], [(4, 10, 12), (5, 0, 2)]],
+        0,
+    ),
+    # in order, every row full: documents 1 and 3 and 4 continue in the next row
+    "stream": (
+        [
+            [(0, 0, 3), (1, 0, 7)],
+            [(3, 0, 5), (4, 0, 5)],
+            [(4, 5, 12), (5, 0, 2), (6, 0, 1)],
+            [(6, 1, 4)],
+        ],
         0,
     ),
 }
@@ -85,7 +95,7 @@ def test_zero_length_docs_get_no_rows(strategy: str) -> None:
 
 
 def test_unknown_strategy_lists_the_valid_ones() -> None:
-    with pytest.raises(ValueError, match=r"'greedy'.*\[simple, bfd, bfd_split\]"):
+    with pytest.raises(ValueError, match=r"'greedy'.*\[simple, bfd, bfd_split, stream\]"):
         plan_packing([1, 2], 8, "greedy")
 
 
@@ -148,7 +158,8 @@ def test_every_kept_token_is_placed_once_within_budget(
     lengths, max_len = inputs
     rows, dropped = plan_packing(lengths, max_len, strategy)
     placed = Counter((d, t) for row in rows for d, s, e in row for t in range(s, e))
-    keep = (lambda n: n) if strategy == "bfd_split" else (lambda n: min(n, max_len))
+    splits = strategy in ("bfd_split", "stream")
+    keep = (lambda n: n) if splits else (lambda n: min(n, max_len))
     expected = Counter((d, t) for d, n in enumerate(lengths) for t in range(keep(n)))
     assert placed == expected
     assert dropped == sum(n - keep(n) for n in lengths)
@@ -156,6 +167,11 @@ def test_every_kept_token_is_placed_once_within_budget(
         assert row, "empty row"
         assert all(s < e for _, s, e in row)
         assert sum(e - s for _, s, e in row) <= max_len
+    if strategy == "stream":  # the rows' concatenation is every document in order, rows full
+        assert [(d, t) for row in rows for d, s, e in row for t in range(s, e)] == [
+            (d, t) for d, n in enumerate(lengths) for t in range(n)
+        ]
+        assert all(sum(e - s for _, s, e in row) == max_len for row in rows[:-1])
     # Deterministic: the same input, as a list or an array, gives the same plan.
     assert plan_packing(lengths, max_len, strategy) == (rows, dropped)
     assert plan_packing(np.array(lengths, dtype=np.int32), max_len, strategy) == (rows, dropped)

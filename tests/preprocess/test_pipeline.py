@@ -16,6 +16,7 @@ from helpers import ROOT
 from malformed import PIPELINE_CASES, PIPELINE_CONFIGS
 
 from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.masking import FILTER_REASONS
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.records import RecordError
@@ -56,9 +57,12 @@ def head(src: Path, dst: Path, n: int) -> Path:
 
 
 TYPES = {
-    "seq": ("pretrain_c4_300.jsonl", ["sequence", "position_ids"]),
-    "instruction": ("instruction_humaneval.jsonl", ["sequence", "loss_mask", "position_ids"]),
-    "sft": ("chat_sharegpt_1000.jsonl", ["sequence", "loss_mask", "position_ids"]),
+    "seq": ("pretrain_c4_300.jsonl", ["sequence", "position_ids", "doc_lengths"]),
+    "instruction": (
+        "instruction_humaneval.jsonl",
+        ["sequence", "loss_mask", "position_ids", "doc_lengths"],
+    ),
+    "sft": ("chat_sharegpt_1000.jsonl", ["sequence", "loss_mask", "position_ids", "doc_lengths"]),
     "dpo": ("dpo_en_300.jsonl", ["chosen", "chosen_mask", "rejected", "rejected_mask"]),
     "grpo": ("grpo_from_dpo_300.jsonl", ["prompts", "responses", "masks", "rewards"]),
 }
@@ -73,7 +77,9 @@ def test_every_training_type_writes_its_keys(tmp_path, train_type):
     assert summary.records_read == 40
     assert summary.records_written + sum(summary.skipped.values()) == 40
     assert summary.records_written > 30
+    assert summary.ledger().unbalanced() == []
     manifest = read_manifest(out)
+    assert manifest["summary"]["tokens_read"] == summary.tokens_read > 0
     assert list(manifest["keys"]) == keys
     meta = json.loads((find_shards(out)[0] / "meta.json").read_text())
     assert list(meta) == keys
@@ -389,3 +395,36 @@ def test_jsonl_output_with_domains_resumes_and_lists_domains_in_store_order(tmp_
     Pipeline(cfg, [src], out, QWEN, workers=1).run()
     assert files_of(out) == files_of(clean)
     assert read_manifest(out)["domains"] == read_manifest(clean)["domains"]
+
+
+def test_filters_are_counted_not_fatal_even_under_raise(tmp_path):
+    """Valid but unwanted records (too short, nothing left to train) are dropped and counted
+    by reason with their file:line, whatever --on-error says; the ledger balances per domain."""
+    long = "A question that is long enough to pass the character filter."
+    records = [
+        {"lang": "en", "messages": [{"role": "user", "content": long}, {"role": "assistant", "content": "Yes."}]},
+        {"lang": "en", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi"}]},
+        {"lang": "fr", "messages": [{"role": "user", "content": long}]},
+        {"lang": "fr", "messages": [{"role": "user", "content": long}, {"role": "assistant", "content": "Oui."}]},
+    ]  # fmt: skip
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = config("sft", output={"domain_key": "lang"})
+    summary = Pipeline(cfg, [src], tmp_path / "out", QWEN, workers=1).run()  # on_error="raise"
+    assert summary.records_written == 2
+    assert summary.skipped == {"no_trained_tokens": 1, "too_short": 1}
+    rejects = [
+        json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()
+    ]
+    assert [(r["line"], r["reason"]) for r in rejects] == [
+        (2, "too_short"),
+        (3, "no_trained_tokens"),
+    ]
+    assert summary.ledger().unbalanced() == []
+    assert set(summary.domains) == {"en", "fr"}
+    for domain, reason in (("en", "too_short"), ("fr", "no_trained_tokens")):
+        ledger = Ledger.from_dict(summary.domains[domain])
+        assert ledger.unbalanced() == [] and list(ledger.dropped) == [reason]
+        assert ledger.records_read == 2 and ledger.records_written == 1
+    assert sum(d["tokens_read"] for d in summary.domains.values()) == summary.tokens_read
+    assert "domain fr:" in summary.format() and "no_trained_tokens" in summary.format()

@@ -1,4 +1,4 @@
-"""templates.py: real tokenizers, checked against transformers' apply_chat_template."""
+"""Chat templates (preprocess/tokenizer.py, chat_template.py, spans.py): real tokenizers, checked against transformers' apply_chat_template."""
 
 from __future__ import annotations
 

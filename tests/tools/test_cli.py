@@ -72,8 +72,16 @@ def test_inspect_json_matches_independent_counts(capsys, datasets):
     seq = np.fromfile(shard / "sequence.bin", dtype=np.int32)
     mask = np.fromfile(shard / "loss_mask.bin", dtype=np.bool_)
     offsets = np.fromfile(shard / "sequence.offsets.bin", dtype=np.int64)
+    doc_lengths = np.fromfile(shard / "doc_lengths.bin", dtype=np.int32)
     d = stats["domains"][""]
-    assert d["records"] == len(offsets) - 1
+    assert d["rows"] == len(offsets) - 1 and d["documents"] == len(doc_lengths) > d["rows"]
+    assert d["document_length"]["max"] == int(doc_lengths.max())
+    summary = json.loads((datasets["sft"] / "manifest.json").read_text())["summary"]
+    assert stats["ledger"]["tokens_read"] == summary["tokens_read"]
+    assert (
+        stats["ledger"]["tokens_written"] + stats["ledger"]["dropped_tokens"]
+        == summary["tokens_read"]
+    )
     assert d["keys"]["sequence"]["tokens"] == len(seq)
     assert d["keys"]["sequence"]["max"] == int(np.diff(offsets).max())
     assert d["trained_share"] == pytest.approx(mask.sum() / len(mask))

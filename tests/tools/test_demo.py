@@ -17,7 +17,7 @@ def test_demo_trains_stops_resumes_exactly_once(tmp_path):
         assert f"== preprocess {train_type}" in text
     assert result["ok"] and result["same_as_uninterrupted"] and result["duplicates"] == 0
     assert result["last_loss"] < result["first_loss"]
-    # batches of prompt tokens only are consumed but not learned from: no nan loss
-    assert len(result["losses"]) == 119 and all(math.isfinite(x) for x in result["losses"])
+    # whole prompt-and-response samples: every batch trains, and no loss is nan
+    assert len(result["losses"]) == 120 and all(math.isfinite(x) for x in result["losses"])
     assert "exactly-once: PASSED" in text
     assert (tmp_path / "loader_state.json").exists()

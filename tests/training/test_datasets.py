@@ -83,6 +83,9 @@ def tokenizer() -> Tokenizer:
 
 
 def load(train_type: str, path: Path, **kwargs):
+    """The dataset at `path`; sft as stream windows (the sample modes have their own tests)."""
+    if train_type == "sft":
+        kwargs.setdefault("sample", "window")
     return DatasetFactory.load(
         train_type, path, window_size=WINDOW, tokenizer_path=TOKENIZER, **kwargs
     )
@@ -157,6 +160,9 @@ def test_pipeline_jsonl_output_loads_as_pretokenized_records(
 def test_prebuilt_store_bypasses_path_and_format(shards: dict[str, Path]):
     store = load("sft", shards["sft"]).store
     ds = DatasetFactory.load("seq", "/nonexistent/path", window_size=7, store=store)
+    assert (
+        DatasetFactory.load("sft", "/nonexistent", 7, store=store, sample="window").store is store
+    )
     assert type(ds) is SEQDataset and ds.store is store
     assert torch.equal(ds[0]["input_ids"], load("sft", shards["sft"])[0]["input_ids"])
 
@@ -252,7 +258,7 @@ def test_store_without_a_required_key_fails_at_construction(shards: dict[str, Pa
     with pytest.raises(
         ValueError,
         match=r"SFTDataset needs store keys \['loss_mask'\].*available keys: "
-        r"\['position_ids', 'sequence'\]",
+        r"\['doc_lengths', 'position_ids', 'sequence'\]",
     ):
         DatasetFactory.create("sft", store=seq_store)
     with pytest.raises(ValueError, match=r"DPODataset needs store keys \['chosen', 'rejected'"):
@@ -300,3 +306,74 @@ def test_dataloader_workers_read_the_shards(shards: dict[str, Path]):
         want = collate([ds[i] for i in range(4 * n, min(4 * n + 4, len(ds)))])
         for key in want:
             assert torch.equal(batch[key], want[key]), key
+
+
+# --- whole-conversation samples -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """200 shipped chats written with the sft defaults: rows of whole conversations."""
+    from tokenmill.preprocess.pipeline import Pipeline
+
+    folder = tmp_path_factory.mktemp("chats")
+    with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(200)]
+    (folder / "in.jsonl").write_text("".join(lines))
+    Pipeline(
+        default_config("sft"), [folder / "in.jsonl"], folder / "out", TOKENIZER, workers=1
+    ).run()
+    return folder / "out", [json.loads(line) for line in lines]
+
+
+def test_no_sft_sample_starts_mid_conversation(chats):
+    """Row and record samples (the default and the padded one) start where a conversation
+    does, and a row's stored boundaries put every document start on one too."""
+    out, _ = chats
+    rows = DatasetFactory.load("sft", out, window_size=2048)
+    records = DatasetFactory.load("sft", out, window_size=2048, sample="record")
+    assert rows.sample == "row" and len(rows) < len(records) <= 200
+    for ds in (rows, records):
+        for i in range(len(ds)):
+            item = ds[i]
+            assert item["input_ids"][0] == IM_START, (ds.sample, i)
+            assert int(item["doc_lengths"].sum()) == len(item["input_ids"]) == ds.sample_length(i)
+            starts = torch.cumsum(item["doc_lengths"], 0)[:-1]
+            assert (item["input_ids"][starts] == IM_START).all()
+            assert (item["position_ids"][starts] == 0).all() and item["position_ids"][0] == 0
+    assert sum(len(rows[i]["input_ids"]) + 1 for i in range(len(rows))) == rows.store.token_count
+
+
+def test_record_samples_are_each_conversation_alone(chats):
+    """Record i is conversation i as the pipeline's masker makes it, shifted by one."""
+    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.tokenizer import load_tokenizer
+
+    out, raw = chats
+    masker = RecordMasker(default_config("sft"), load_tokenizer(TOKENIZER))
+    ds = DatasetFactory.load("sft", out, window_size=2048, sample="record")
+    manifest_skipped = sum(
+        json.loads((out / "manifest.json").read_text())["summary"]["skipped"].values()
+    )
+    kept = []
+    for record in raw:
+        try:
+            kept.append(masker.process(record))
+        except ValueError:
+            continue
+    assert len(kept) == len(ds) == len(raw) - manifest_skipped
+    for i in (0, 1, len(ds) // 2, len(ds) - 1):
+        want, item = kept[i], ds[i]
+        assert item["input_ids"].tolist() == want["sequence"][:-1].tolist()
+        assert item["target_ids"].tolist() == want["sequence"][1:].tolist()
+        assert item["loss_mask"].tolist() == want["loss_mask"][1:].tolist()
+
+
+def test_a_row_longer_than_the_sample_is_refused_by_name(chats):
+    out, _ = chats
+    with pytest.raises(ValueError, match=r"rows are longer than the sample \(64 \+ 1 tokens\)"):
+        DatasetFactory.load("sft", out, window_size=64)
+    with pytest.raises(ValueError, match="sample must be one of"):
+        DatasetFactory.load("sft", out, window_size=2048, sample="turn")
+    with pytest.raises(ValueError, match="sample= is for sft data"):
+        DatasetFactory.load("seq", out, window_size=64, sample="row")

@@ -237,7 +237,10 @@ def main(data: Path, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     datasets = {
-        kind: DatasetFactory.load(kind, data / kind, window_size=WINDOW) for kind in SOURCES
+        kind: DatasetFactory.load(
+            kind, data / kind, window_size=WINDOW, sample="window" if kind == "sft" else None
+        )
+        for kind in SOURCES
     }
     report = {"cells": 0, "elastic": 0, "refused": 0}
     for i, (kind, packing) in enumerate(product(SOURCES, (False, True))):

@@ -101,7 +101,7 @@ def test_every_window_has_its_target_token_and_no_window_is_missed(tokens, windo
 
 # --- reading back exactly ---------------------------------------------------------------------
 def test_stream_store_reads_back_every_key(sft_store):
-    assert len(sft_store._parts) == 6  # the rolling cut 98 tokens into 6 shards
+    assert len(sft_store._views) == 6  # the rolling cut 98 tokens into 6 shards
     assert (
         sft_store.keys == list(SFT) and sft_store.token_count == 98 and sft_store.num_records == 12
     )
@@ -151,12 +151,12 @@ def test_record_keys_and_list_keys_across_shards(tmp_path):
     write(tmp_path, list(dpo_records()), DPO, "chosen", 10, domain="dpo")
     write(tmp_path, list(grpo_records()), GRPO, "prompts", 6, domain="grpo")
     dpo = StoreFactory.create("bin").load(tmp_path / "dpo")
-    assert dpo.num_records == len(dpo) == 7 and len(dpo._parts) == 5
+    assert dpo.num_records == len(dpo) == 7 and len(dpo._views) == 5
     for i, record in enumerate(dpo_records()):
         got = dpo.fetch_record(i, list(DPO))
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in record.items()}
     grpo = StoreFactory.create("bin").load(tmp_path / "grpo")
-    assert grpo.token_count == sum(range(1, 10)) and len(grpo._parts) > 3
+    assert grpo.token_count == sum(range(1, 10)) and len(grpo._views) > 3
     for i, record in enumerate(grpo_records()):
         got = grpo.fetch_record(i, list(GRPO))
         assert [r.tolist() for r in got["responses"]] == [r.tolist() for r in record["responses"]]
@@ -179,7 +179,7 @@ def test_fetch_copies_only_the_window_and_warns_nothing(sft_store):
         window = sft_store.fetch(0, 4, "sequence")  # inside shard 0: a slice of the memmap
         record = sft_store.fetch_record(0, "sequence")
     for part in ("values", "offsets"):  # read-only maps of the files, nothing loaded per record
-        array = getattr(sft_store._parts[0].columns["sequence"], part)
+        array = getattr(sft_store._views[0].columns["sequence"], part)
         assert (
             isinstance(array.base, np.memmap)
             and array.base.mode == "r"

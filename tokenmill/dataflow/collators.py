@@ -186,12 +186,13 @@ class PackedCollator(BatchCollator):
     """Concatenates a group's seq/sft samples into one row [1, T] for variable-length
     attention: `cu_seqlens` (int32, document starts plus T) and `max_seqlen` as flash-attn
     varlen kernels take them, `position_ids` restarting at 0 for every document, and
-    `num_tokens` (real tokens). A document ends at each sample's end and, when samples carry
-    `position_ids`, wherever those do not go on by one (packed shards: a restart at 0, or the
-    remainder of a document that bfd_split cut, which continues its positions in another row).
-    In shards the pipeline writes, positions that go on by one always stay in one document
-    (bfd_split orders its rows for it; see `plan_packing`), so this split is exact there. `pad_to=N` pads the row to N
-    tokens as one extra segment, for static shapes; efficiency is `num_tokens / N`."""
+    `num_tokens` (real tokens). A document ends at each sample's end and inside a sample where
+    its stored boundaries say (`doc_lengths`, which row and record samples carry). A sample
+    without them (a stream window) is split wherever its `position_ids` do not go on by one
+    (a restart at 0, or the remainder of a document that bfd_split cut); in shards the
+    pipeline writes, positions that go on by one always stay in one document (see
+    `plan_packing`). `pad_to=N` pads the row to N tokens as one extra segment, for static
+    shapes; efficiency is `num_tokens / N`."""
 
     def __init__(self, pad_id: int = 0, label_pad_id: int = -100, pad_to: int | None = None):
         if pad_to is not None and pad_to <= 0:
@@ -206,7 +207,10 @@ class PackedCollator(BatchCollator):
         offset = 0
         for s in samples:
             starts.append(offset)
-            if "position_ids" in s and len(s["position_ids"]):
+            if "doc_lengths" in s:  # stored boundaries: nothing to infer
+                inner = torch.cumsum(torch.as_tensor(s["doc_lengths"]), 0)[:-1]
+                starts.extend((inner + offset).tolist())
+            elif "position_ids" in s and len(s["position_ids"]):
                 # a document starts wherever positions do not go on by one: a restart at 0, or
                 # a bfd_split remainder (s, s+1, ...) that follows another document's end
                 positions = s["position_ids"]

@@ -92,7 +92,7 @@ def _check_coordinates(dp_rank: int, dp_world_size: int) -> None:
         raise ValueError(f"need 0 <= dp_rank < dp_world_size, got {dp_rank}, {dp_world_size}")
 
 
-class _KeyedDistributor(DataDistributor):
+class _IndexedDistributor(DataDistributor):
     """A distributor defined by `indices` and `fetch`; `stream` deals indices round robin to workers."""
 
     @abstractmethod
@@ -105,7 +105,7 @@ class _KeyedDistributor(DataDistributor):
             yield self.fetch(index)
 
 
-class MapDistributor(_KeyedDistributor):
+class MapDistributor(_IndexedDistributor):
     """A map-style dataset shuffled per epoch by seed + epoch (`training.state.epoch_order`).
 
     Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
@@ -165,7 +165,7 @@ class MapDistributor(_KeyedDistributor):
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
 
 
-class IterableDistributor(_KeyedDistributor):
+class IterableDistributor(_IndexedDistributor):
     """Any re-iterable (a list, an IterableDataset): item k goes to rank k % dp_world_size.
     An iterable cannot seek, so resuming reads the consumed items again and drops them; the
     stream ends with the iterable."""
@@ -219,7 +219,7 @@ def rank_split(dp_world_size: int, ratios: Sequence[float]) -> list[int]:
     return counts
 
 
-class RankPartitionedDistributor(_KeyedDistributor):
+class RankPartitionedDistributor(_IndexedDistributor):
     """Whole ranks to sources by ratio: with ratios [3, 1] and 8 ranks, ranks 0-5 read source
     0 (as its ranks 0-5 of 6) and ranks 6-7 read source 1 (as its ranks 0-1 of 2). A rank's
     state is its source's position: it resumes under the same world size, on the same source."""
@@ -296,7 +296,7 @@ def trained_tokens(item: dict) -> int:
     return token_count(item)
 
 
-class MixtureDistributor(_KeyedDistributor):
+class MixtureDistributor(_IndexedDistributor):
     """A deterministic ratio-weighted merge of sources, each read as the same rank.
 
     Every prefix holds each source's share within one sample (`pick_source`): of samples

@@ -17,7 +17,8 @@ import numpy as np
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.fields import get_field
 from tokenmill.preprocess.inputs import InputPath
-from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.ledger import Ledger
+from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
 from tokenmill.preprocess.tokenizer import load_tokenizer
@@ -43,10 +44,14 @@ class ChunkResult:
     records_written: int
     rows: list[tuple[str, Any]]
     errors: list[RecordError]
-    dropped_tokens: int = 0
+    ledgers: dict[str, Ledger] = field(default_factory=dict)  # per domain
     tokens: int = 0
     trained_tokens: int = 0
     sizes: list[int] = field(default_factory=list)  # primary-key tokens of each row
+
+    @property
+    def dropped_tokens(self) -> int:
+        return sum(ledger.dropped_tokens for ledger in self.ledgers.values())
 
 
 def iter_chunks(
@@ -89,52 +94,74 @@ def setup_worker(config_data: dict, tokenizer_path: str) -> None:
 
 
 def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResult:
+    """A chunk's rows, per domain, and its ledger: every record and token read is written or
+    dropped by reason (bad records, filters, truncation, packing overflow)."""
     masker = masker or _MASKER
     if masker is None:
         raise RuntimeError("process_chunk called before setup_worker")
     config = masker.config
     errors = list(chunk.read_errors)
+    ledgers: dict[str, Ledger] = {}
+    for _ in chunk.read_errors:  # unreadable: no domain, no tokens
+        _ledger(ledgers, "").records_read += 1
+        _ledger(ledgers, "").drop("bad_record", 1, 0)
     by_domain: dict[str, list[dict]] = {}
     for record in chunk.records:
         try:
             domain = _domain(record, config)
-            out = masker.process(record)
-        except RecordError as err:
+        except RecordError as err:  # no domain to count it in
             errors.append(err)
+            _ledger(ledgers, "").records_read += 1
+            _ledger(ledgers, "").drop("bad_record", 1, 0)
             continue
+        ledger = _ledger(ledgers, domain)
+        ledger.records_read += 1
+        try:
+            out, tally = masker.process_counted(record)
+        except RecordError as err:  # a filter drops what it rendered; a bad record renders nothing
+            errors.append(err)
+            filtered = err.reason in FILTER_REASONS
+            tokens = err.tokens if filtered else 0
+            ledger.tokens_read += tokens
+            ledger.drop(err.reason if filtered else "bad_record", 1, tokens)
+            continue
+        ledger.tokens_read += tally.tokens
+        ledger.records_written += 1
+        if tally.truncated:
+            ledger.drop("truncated", 1, tally.truncated)
         by_domain.setdefault(domain, []).append(out)
-    written = sum(len(v) for v in by_domain.values())
     rows: list[tuple[str, dict]] = []
-    dropped = 0
+    token_keys, mask_keys = masker.token_keys(), masker.mask_keys()
     for domain, outs in by_domain.items():
-        packed, lost = pack_rows(outs, config)
-        dropped += lost
+        packed, lost, cut = pack_rows(outs, config)
+        if lost:
+            ledgers[domain].drop("packing_overflow", cut, lost)
+        ledgers[domain].tokens_written += sum(row_tokens(r[k]) for r in packed for k in token_keys)
         rows.extend((domain, row) for row in packed)
     read = len(chunk.records) + len(chunk.read_errors)
-    result = ChunkResult(chunk.index, read, written, rows, errors, dropped)
-    dtypes = masker.dtypes()
-    mask_keys = [k for k, t in dtypes.items() if t == "bool"]
-    values = masker.value_keys()
-    token_keys = [
-        k for k, t in dtypes.items() if t != "bool" and k not in values and k != "position_ids"
-    ]
-    primary = masker.primary_key()
-    result.tokens = sum(row_tokens(row[k]) for _, row in rows for k in token_keys)
+    written = sum(len(v) for v in by_domain.values())
+    result = ChunkResult(chunk.index, read, written, rows, errors, ledgers)
+    result.tokens = sum(ledger.tokens_written for ledger in ledgers.values())
     result.trained_tokens = sum(row_trained(row, mask_keys, token_keys) for _, row in rows)
-    result.sizes = [row_tokens(row[primary]) for _, row in rows]
+    result.sizes = [row_tokens(row[masker.primary_key()]) for _, row in rows]
     return result
 
 
-def pack_rows(outs: list[dict], config: PipelineConfig) -> tuple[list[dict], int]:
-    """Single-output records packed into rows of at most max_packed_len; other data passes through."""
+def _ledger(ledgers: dict[str, Ledger], domain: str) -> Ledger:
+    return ledgers.setdefault(domain, Ledger())
+
+
+def pack_rows(outs: list[dict], config: PipelineConfig) -> tuple[list[dict], int, int]:
+    """Single-output records packed into rows of at most max_packed_len, each row with its
+    `doc_lengths`; other data passes through. Returns (rows, tokens dropped, records cut)."""
     pre = config.preprocessing
     if config.multi_output or pre.packing_strategy == "none" or not outs:
-        return outs, 0
+        return outs, 0, 0
     keys = [k for k in outs[0] if k != "position_ids"]
     docs = {k: [o[k] for o in outs] for k in keys}
-    plan, dropped = plan_packing(
-        [len(o["sequence"]) for o in outs], pre.max_packed_len, pre.packing_strategy
-    )
+    lengths = [len(o["sequence"]) for o in outs]
+    plan, dropped = plan_packing(lengths, pre.max_packed_len, pre.packing_strategy)
+    cut = sum(n > pre.max_packed_len for n in lengths) if dropped else 0
     packed = apply_packing(docs, plan)
     mode = config.output.position_ids_mode
     rows = []
@@ -142,8 +169,9 @@ def pack_rows(outs: list[dict], config: PipelineConfig) -> tuple[list[dict], int
         row = {k: packed[k][r] for k in keys}
         if mode != "none":
             row["position_ids"] = np.asarray(position_ids(pieces, mode), dtype=np.int32)
+        row["doc_lengths"] = np.asarray([e - s for _, s, e in pieces], dtype=np.int32)
         rows.append(row)
-    return rows, dropped
+    return rows, dropped, cut
 
 
 def _domain(record: Record, config: PipelineConfig) -> str:

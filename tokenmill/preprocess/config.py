@@ -25,7 +25,7 @@ Action = Literal["train", "mask", "$role", "value"]
 RoleAction = Literal["train", "mask"]
 
 
-TruncationMode = Literal["keep_start", "keep_end"]
+TruncationMode = Literal["auto", "none", "latest_turns", "cut_prompt", "keep_start", "keep_end"]
 
 
 DEFAULT_MASK: dict[str, RoleAction] = {"system": "mask", "user": "mask", "assistant": "train"}
@@ -141,11 +141,21 @@ class Preprocessing(_Strict):
     )
     packing_strategy: Literal["none", PackingStrategy] = Field(
         "simple",
-        description="none (a record per row), simple (in order), bfd (best-fit decreasing), bfd_split (bfd, long records split)",
+        description=(
+            "none (a record per row), simple (in order), bfd (best-fit decreasing), bfd_split"
+            " (bfd, long records split), stream (in order, rows filled to max_packed_len, a"
+            " record continues in the next row: nothing is dropped)"
+        ),
     )
     max_packed_len: int = Field(8192, gt=0, description="token budget of one packed row")
     truncation_mode: TruncationMode = Field(
-        "keep_start", description="which end of a too-long record is kept"
+        "auto",
+        description=(
+            "what a record longer than max_seq_len keeps: latest_turns (system prompt and the"
+            " latest complete turns that fit), cut_prompt (the prompt's end is cut for the"
+            " response), keep_start, keep_end, or none (nothing is cut); auto: latest_turns for"
+            " chats, cut_prompt for prompt + response, none for plain text. Cuts are counted"
+        ),
     )
 
 
@@ -272,8 +282,13 @@ _CHAT = {"field": "messages", "template": True, "action": "$role"}
 
 
 DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
-    "seq": {"input": {"sections": [{"field": "text", "action": "train", "eos": True}]}},
-    "sft": {"input": {"sections": [_CHAT]}},
+    # pretraining keeps every token: no cut, documents continue across rows in order
+    "seq": {
+        "input": {"sections": [{"field": "text", "action": "train", "eos": True}]},
+        "preprocessing": {"packing_strategy": "stream"},
+    },
+    # whole conversations: rows no longer than a 2048-token sample
+    "sft": {"input": {"sections": [_CHAT]}, "preprocessing": {"max_packed_len": 2048}},
     "instruction": {
         "input": {
             "sections": [
@@ -281,7 +296,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
                 {"field": "response", "action": "train", "eos": True},
             ]
         },
-        "preprocessing": {"min_chars": 1},
+        "preprocessing": {"min_chars": 1, "max_packed_len": 2048},
     },
     "dpo": {
         "input": {

@@ -16,12 +16,14 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import chain, islice
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenmill.preprocess.chunks import ChunkResult, iter_chunks, process_chunk, setup_worker
-from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.inputs import InputPath
 from tokenmill.shards.writer import ShardWriter
+
+if TYPE_CHECKING:  # the chunk machinery (tokenizer, templates) loads when a run starts
+    from tokenmill.preprocess.chunks import ChunkResult
+    from tokenmill.preprocess.config import PipelineConfig
+    from tokenmill.preprocess.inputs import InputPath
 
 ENGINES = ("local", "ray")
 
@@ -68,6 +70,8 @@ class LocalEngine:
         collect_errors: bool,
         first_chunk: int,
     ) -> Generator[ChunkResult, None, None]:
+        from tokenmill.preprocess.chunks import iter_chunks, process_chunk, setup_worker
+
         chunks = (c for c in iter_chunks(files, config, collect_errors) if c.index >= first_chunk)
         args = (config.model_dump(mode="json"), tokenizer_path)
         workers = self.workers or os.cpu_count() or 1

@@ -1,13 +1,15 @@
-"""One record -> its output arrays (tokens, loss masks, values), as the config says.
+"""One record -> one document: its output arrays (tokens, loss masks, values), as the config says.
 
-Sits between records.py (validated raw JSON) and packing/shards: everything a
-trainer will learn from is decided here, so every rule is explicit and every
-bad record raises a RecordError naming file, line and field.
+Sits between records.py and fields.py (raw JSON, checked fields) and packing: everything a
+trainer will learn from is decided here (which tokens train, what a too-long record keeps),
+so every rule is explicit, every bad record raises a RecordError naming file, line and
+field, and every token rendered or cut is tallied for the ledger.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -19,11 +21,22 @@ from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 
-RecordArrays = dict[str, "np.ndarray | list[np.ndarray]"]
+DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
 
 
 # Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
-FILTER_REASONS = ("too_short", "too_long")
+FILTER_REASONS = ("too_short", "too_long", "no_trained_tokens")
+
+
+@dataclass
+class Tally:
+    """What one record cost and lost: text characters read, tokens rendered (before any cut),
+    and tokens cut by truncation. The ledger adds these up; a dropped record's RecordError
+    carries its `tokens` too, so every rendered token is accounted for."""
+
+    chars: int = 0
+    tokens: int = 0
+    truncated: int = 0
 
 
 def key_dtype(key: str, config: PipelineConfig, value_keys: set[str]) -> str:
@@ -53,6 +66,8 @@ class RecordMasker:
                 keys.append("loss_mask")
             if self.config.output.position_ids_mode != "none":
                 keys.append("position_ids")
+            if self.config.preprocessing.packing_strategy != "none":
+                keys.append("doc_lengths")  # each row's documents, so rows know their boundaries
             return keys
         keys = []
         for key in self.config.input.sources or {}:
@@ -73,6 +88,19 @@ class RecordMasker:
     def primary_key(self) -> str:
         return self.output_keys()[0]
 
+    def token_keys(self) -> list[str]:
+        """The keys whose elements are tokens: what the ledger counts."""
+        if not self.config.multi_output:
+            return ["sequence"]
+        return [k for k in self.config.input.sources or {} if k not in self.value_keys()]
+
+    def mask_keys(self) -> list[str]:
+        """The keys that say which tokens train; none when every token trains."""
+        if not self.config.multi_output:
+            return ["loss_mask"] if self.single_needs_mask() else []
+        keys = [self.source_mask_key(k) for k in self.config.input.sources or {}]
+        return [k for k in keys if k]
+
     def single_needs_mask(self) -> bool:
         return _needs_mask(self.config.input.sections)
 
@@ -87,27 +115,37 @@ class RecordMasker:
         )
 
     # --- processing ----------------------------------------------------------------------
-    def process(self, data: dict | Record, source: str = "<record>", line: int = 0) -> RecordArrays:
+    def process(
+        self, data: dict | Record, source: str = "<record>", line: int = 0
+    ) -> DocumentArrays:
         record = data if isinstance(data, Record) else Record(source, line, data)
+        return self.process_counted(record)[0]
+
+    def process_counted(self, record: Record) -> tuple[DocumentArrays, Tally]:
+        """The record's arrays and its tally; a RecordError carries the tokens rendered so far."""
         if not isinstance(record.data, dict):
             raise RecordError(
                 record.source, record.line, None, "expected a JSON object", "not_object"
             )
-        counter = [0]
+        tally = Tally()
         try:
-            out = self._outputs(record, counter)
+            try:
+                out = self._outputs(record, tally)
+            except RecordError as err:
+                if err.reason == "no_trained_tokens":
+                    self._check_chars(record, tally.chars)  # a filtered record counts as filtered
+                raise
+            self._check_chars(record, tally.chars)
         except RecordError as err:
-            if err.reason == "no_trained_tokens":
-                self._check_chars(record, counter[0])  # a filtered record is counted as filtered
+            err.tokens = tally.tokens
             raise
-        self._check_chars(record, counter[0])
-        return out
+        return out, tally
 
-    def _outputs(self, record: Record, counter: list[int]) -> RecordArrays:
+    def _outputs(self, record: Record, tally: Tally) -> DocumentArrays:
         if not self.config.multi_output:
-            ids, mask = self._sections(record, self.config.input.sections, counter)
-            ids, mask = self._truncate(ids, mask)
-            out: RecordArrays = {"sequence": ids}
+            sections = self.config.input.sections
+            ids, mask = self._fit(record, sections, self._sections(record, sections, tally), tally)
+            out: DocumentArrays = {"sequence": ids}
             if self.single_needs_mask():
                 out["loss_mask"] = mask
             if _can_train(self.config.input.sections) and not mask.any():
@@ -121,13 +159,14 @@ class RecordMasker:
             if self.config.output.position_ids_mode != "none":
                 out["position_ids"] = np.arange(len(ids), dtype=np.int32)
         else:
-            out = self._sources(record, counter)
+            out = self._sources(record, tally)
         return out
 
-    def _sources(self, record: Record, counter: list[int]) -> RecordArrays:
-        out: RecordArrays = {}
+    def _sources(self, record: Record, tally: Tally) -> DocumentArrays:
+        out: DocumentArrays = {}
         group_sizes: dict[str, int] = {}
         values: dict[str, np.ndarray] = {}
+        untrained: RecordError | None = None  # raised once every source is rendered (the ledger)
         for key, source in (self.config.input.sources or {}).items():
             section = source.sections[0]
             mask_key = self.source_mask_key(key)
@@ -150,14 +189,18 @@ class RecordMasker:
                         record.source, record.line, section.field, "empty group", "empty"
                     )
                 pairs = [
-                    self._one(record, section, f"{section.field}[{j}]", item, True, counter)
+                    self._fit(
+                        record,
+                        source.sections,
+                        [self._one(record, section, f"{section.field}[{j}]", item, True, tally)],
+                        tally,
+                    )
                     for j, item in enumerate(items)
                 ]
-                pairs = [self._truncate(ids, mask) for ids, mask in pairs]
                 out[key] = [ids for ids, _ in pairs]
                 masks = [mask for _, mask in pairs]
                 if _can_train(source.sections) and not all(m.any() for m in masks):
-                    raise RecordError(
+                    untrained = untrained or RecordError(
                         record.source,
                         record.line,
                         section.field,
@@ -168,11 +211,11 @@ class RecordMasker:
                     out[mask_key] = masks
                 group_sizes[key] = len(items)
             else:
-                ids, mask = self._sections(record, source.sections, counter)
-                ids, mask = self._truncate(ids, mask)
+                parts = self._sections(record, source.sections, tally)
+                ids, mask = self._fit(record, source.sections, parts, tally)
                 out[key] = ids
                 if _can_train(source.sections) and not mask.any():
-                    raise RecordError(
+                    untrained = untrained or RecordError(
                         record.source,
                         record.line,
                         source.sections[0].field,
@@ -191,20 +234,17 @@ class RecordMasker:
                         f"{len(vals)} values for {size} items of {gkey!r}",
                         "bad_value",
                     )
+        if untrained is not None:
+            raise untrained
         return out
 
-    def _sections(
-        self, record: Record, sections: list[Section], counter: list[int]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        ids_parts, mask_parts = [], []
-        for i, section in enumerate(sections):
-            value = get_field(record, section.field)
-            ids, mask = self._one(record, section, section.field, value, i == 0, counter)
-            ids_parts.append(ids)
-            mask_parts.append(mask)
-        ids = np.concatenate(ids_parts).astype(np.int32, copy=False)
-        mask = np.concatenate(mask_parts).astype(bool, copy=False)
-        return ids, mask
+    def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
+        return [
+            self._one(
+                record, section, section.field, get_field(record, section.field), i == 0, tally
+            )
+            for i, section in enumerate(sections)
+        ]
 
     def _one(
         self,
@@ -213,8 +253,8 @@ class RecordMasker:
         field: str,
         value: Any,
         first: bool,
-        counter: list[int],
-    ) -> tuple[np.ndarray, np.ndarray]:
+        tally: Tally,
+    ) -> Part:
         """Tokens and mask of one section value (a chat or a text)."""
         if section.template:
             messages = check_messages(record, field, value, self.roles)
@@ -222,60 +262,83 @@ class RecordMasker:
                 actions = [self.config.role_trains(m["role"]) for m in messages]
             else:
                 actions = [section.action == "train"] * len(messages)
-            counter[0] += sum(len(m["content"]) for m in messages)
-            try:
-                ids, mask = render_conversation(
-                    self.bundle, messages, actions, add_generation_prompt=section.generation_prompt
-                )
-            except (
-                ValueError,
-                TypeError,
-                KeyError,
-                AttributeError,
-                IndexError,
-                jinja2.TemplateError,
-            ) as err:
-                # raise_exception() in a template, or a template tripping over odd message fields
-                raise RecordError(
-                    record.source, record.line, field, f"chat template: {err}", "template_error"
-                ) from None
-            if (
-                not first
-                and self.bundle.bos_id is not None
-                and len(ids)
-                and ids[0] == self.bundle.bos_id
-            ):
-                ids, mask = ids[1:], mask[1:]  # one BOS per record: only the first section's
-        else:
-            if not isinstance(value, str):
-                raise RecordError(
-                    record.source,
-                    record.line,
-                    field,
-                    f"expected a string, got {type(value).__name__}",
-                    "wrong_type",
-                )
-            counter[0] += len(value)
-            add_special = (
-                section.add_special_tokens if section.add_special_tokens is not None else first
+            tally.chars += sum(len(m["content"]) for m in messages)
+            ids, mask = self._render(record, section, field, messages, actions, first)
+            tally.tokens += len(ids)
+            return Part(section, field, first, ids, mask, messages, actions)
+        if not isinstance(value, str):
+            raise RecordError(
+                record.source,
+                record.line,
+                field,
+                f"expected a string, got {type(value).__name__}",
+                "wrong_type",
             )
-            ids = encode_text(self.bundle, value, add_special_tokens=add_special)
-            mask = np.full(len(ids), section.action == "train", dtype=bool)
-            if (
-                add_special
-                and self.bundle.bos_id is not None
-                and len(ids)
-                and ids[0] == self.bundle.bos_id
-            ):
-                mask[0] = False
+        tally.chars += len(value)
+        add_special = (
+            section.add_special_tokens if section.add_special_tokens is not None else first
+        )
+        ids = encode_text(self.bundle, value, add_special_tokens=add_special)
+        mask = np.full(len(ids), section.action == "train", dtype=bool)
+        if (
+            add_special
+            and self.bundle.bos_id is not None
+            and len(ids)
+            and ids[0] == self.bundle.bos_id
+        ):
+            mask[0] = False
         if section.eos:
-            if self.bundle.eos_id is None:
-                raise ValueError(
-                    f"section {section.field!r} asks for eos but the tokenizer has no eos token"
-                )
-            ids = np.append(ids, np.int32(self.bundle.eos_id))
-            mask = np.append(mask, section.action != "mask")
-        return ids.astype(np.int32, copy=False), mask
+            ids, mask = self._eos(section, ids, mask)
+        tally.tokens += len(ids)
+        return Part(section, field, first, ids.astype(np.int32, copy=False), mask)
+
+    def _render(
+        self,
+        record: Record,
+        section: Section,
+        field: str,
+        messages: list[dict],
+        actions: list[bool],
+        first: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A chat section's tokens and mask, its EOS included (one rendering of the messages)."""
+        try:
+            ids, mask = render_conversation(
+                self.bundle, messages, actions, add_generation_prompt=section.generation_prompt
+            )
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            AttributeError,
+            IndexError,
+            jinja2.TemplateError,
+        ) as err:
+            # raise_exception() in a template, or a template tripping over odd message fields
+            raise RecordError(
+                record.source, record.line, field, f"chat template: {err}", "template_error"
+            ) from None
+        if (
+            not first
+            and self.bundle.bos_id is not None
+            and len(ids)
+            and ids[0] == self.bundle.bos_id
+        ):
+            ids, mask = ids[1:], mask[1:]  # one BOS per record: only the first section's
+        if section.eos:
+            ids, mask = self._eos(section, ids, mask)
+        return ids, mask
+
+    def _eos(
+        self, section: Section, ids: np.ndarray, mask: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if self.bundle.eos_id is None:
+            raise ValueError(
+                f"section {section.field!r} asks for eos but the tokenizer has no eos token"
+            )
+        return np.append(ids, np.int32(self.bundle.eos_id)), np.append(
+            mask, section.action != "mask"
+        )
 
     def _value(self, record: Record, section: Section) -> np.ndarray:
         value = get_field(record, section.field)
@@ -296,19 +359,72 @@ class RecordMasker:
                 )
         return np.asarray(items, dtype=np.float32)
 
-    def _truncate(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Cut to max_seq_len; keep_end keeps a leading BOS (masked) so a record still starts with one."""
-        limit = self.config.preprocessing.max_seq_len
-        if len(ids) <= limit:
+    # --- truncation: what a record longer than max_seq_len keeps ------------------------
+    def truncation(self, sections: list[Section]) -> str:
+        """The policy for these sections; `auto`: latest_turns for chats, cut_prompt for a
+        prompt and a response, none for plain text (pretraining keeps every token)."""
+        mode = self.config.preprocessing.truncation_mode
+        if mode != "auto":
+            return mode
+        if any(s.template for s in sections):
+            return "latest_turns"
+        if any(s.action == "mask" for s in sections):
+            return "cut_prompt"
+        return "none"
+
+    def _fit(
+        self, record: Record, sections: list[Section], parts: list[Part], tally: Tally
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The parts joined and cut to max_seq_len by the sections' policy; cuts are tallied."""
+        ids, mask = _join(parts)
+        limit, mode = self.config.preprocessing.max_seq_len, self.truncation(sections)
+        if len(ids) <= limit or mode == "none":
             return ids, mask
-        if self.config.preprocessing.truncation_mode == "keep_start":
-            return ids[:limit], mask[:limit]
-        bos = self.bundle.bos_id
-        if bos is not None and ids[0] == bos and limit > 1:
-            return np.concatenate([ids[:1], ids[-(limit - 1) :]]), np.concatenate(
-                [[False], mask[-(limit - 1) :]]
-            )
-        return ids[-limit:], mask[-limit:]
+        if mode == "latest_turns":
+            parts = self._latest_turns(record, parts, limit, _can_train(sections))
+            kept, kept_mask = _join(parts)
+            if len(kept) > limit:
+                kept, kept_mask = _cut(kept, kept_mask, "cut_prompt", limit, self.bundle.bos_id)
+        else:
+            kept, kept_mask = _cut(ids, mask, mode, limit, self.bundle.bos_id)
+        tally.truncated += len(ids) - len(kept)
+        return kept, kept_mask
+
+    def _latest_turns(
+        self, record: Record, parts: list[Part], limit: int, trains: bool
+    ) -> list[Part]:
+        """The first chat part re-rendered with its leading system messages and the latest
+        complete turns (a user message and what follows it) that fit beside the other parts,
+        with a trained token when the sections train. When no suffix of turns fits, the
+        latest turn that trains (or the latest turn) is kept, for cut_prompt to cut."""
+        chat = next((i for i, p in enumerate(parts) if p.messages is not None), None)
+        if chat is None:
+            return parts
+        part = parts[chat]
+        messages, actions = part.messages or [], part.actions or []
+        others = sum(len(p.ids) for i, p in enumerate(parts) if i != chat)
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        starts = [head] + [
+            i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"
+        ]
+        fallback = None
+        for k in range(1, len(starts)):
+            kept = list(range(head)) + list(range(starts[k], len(messages)))
+            if trains and not any(actions[i] for i in kept):
+                break  # the turns left train nothing, and shorter suffixes train less
+            candidate = self._with_messages(record, part, kept)
+            fallback = candidate
+            if others + len(candidate.ids) <= limit and (not trains or candidate.mask.any()):
+                return [candidate if i == chat else p for i, p in enumerate(parts)]
+        if fallback is None:
+            return parts
+        return [fallback if i == chat else p for i, p in enumerate(parts)]
+
+    def _with_messages(self, record: Record, part: Part, kept: list[int]) -> Part:
+        messages = [(part.messages or [])[i] for i in kept]
+        actions = [(part.actions or [])[i] for i in kept]
+        ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
+        return Part(part.section, part.field, part.first, ids, mask, messages, actions)
 
     def _check_chars(self, record: Record, chars: int) -> None:
         pre = self.config.preprocessing
@@ -328,6 +444,53 @@ class RecordMasker:
                 f"{chars} characters, more than max_chars={pre.max_chars}",
                 "too_long",
             )
+
+
+@dataclass
+class Part:
+    """One section of one record, rendered: its tokens and mask, and for a chat its messages
+    and their actions (so that truncation can render fewer turns)."""
+
+    section: Section
+    field: str
+    first: bool
+    ids: np.ndarray
+    mask: np.ndarray
+    messages: list[dict] | None = None
+    actions: list[bool] | None = None
+
+
+def _join(parts: list[Part]) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.concatenate([p.ids for p in parts]).astype(np.int32, copy=False)
+    return ids, np.concatenate([p.mask for p in parts]).astype(bool, copy=False)
+
+
+def _cut(
+    ids: np.ndarray, mask: np.ndarray, mode: str, limit: int, bos: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """ids and mask cut to `limit` tokens. keep_start / keep_end keep that end (keep_end keeps
+    a leading BOS, masked). cut_prompt (as LLaMA-Factory does) cuts the end of the prompt (the
+    tokens before the first trained one, keeping its start) to make room for the response; a
+    response longer than the room keeps its start, after at most half the room of prompt."""
+    has_bos = bos is not None and len(ids) > 0 and ids[0] == bos and limit > 1
+    if mode == "keep_start":
+        return ids[:limit], mask[:limit]
+    if mode == "keep_end":
+        if has_bos:
+            return np.concatenate([ids[:1], ids[-(limit - 1) :]]), np.concatenate(
+                [[False], mask[-(limit - 1) :]]
+            )
+        return ids[-limit:], mask[-limit:]
+    trained = np.flatnonzero(mask)
+    if not len(trained):
+        return ids[:limit], mask[:limit]
+    first, excess, head = int(trained[0]), len(ids) - limit, int(has_bos)
+    if first - head >= excess:
+        keep = np.r_[0 : first - excess, first : len(ids)]
+    else:
+        prompt = max(head, min(first, limit // 2))
+        keep = np.r_[0:prompt, first : first + limit - prompt]
+    return ids[keep], mask[keep]
 
 
 def _needs_mask(sections: list[Section]) -> bool:

@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-PackingStrategy = Literal["simple", "bfd", "bfd_split"]
+PackingStrategy = Literal["simple", "bfd", "bfd_split", "stream"]
 
 
 PositionIdsMode = Literal["none", "doc_reset", "continuous"]
@@ -41,8 +41,11 @@ def plan_packing(
       rows of full pieces come first, and those of the document whose remainder opens
       the next row come last among them, so that in the stream of rows, doc_reset
       positions alone tell documents apart (what PackedCollator relies on).
+    - stream: documents in input order, each row filled to `max_len`: a document that
+      does not fit continues in the next row (its positions go on); nothing is dropped.
+      What pretraining wants: the rows' concatenation is every document in order.
     simple and bfd keep the first `max_len` tokens of a longer document, alone in
-    its row, and count the rest as dropped. Zero-length documents get no piece and
+    its row, and count the rest as dropped (the ledger's packing_overflow). Zero-length documents get no piece and
     no row: an empty row would be a record without tokens downstream.
     Rows come in order of creation, pieces in placement order. bfd usually needs
     fewer rows than simple, never more than simple over longest-first order, but
@@ -56,6 +59,8 @@ def plan_packing(
         raise ValueError(f"max_len must be a positive integer, got {max_len!r}")
     max_len = int(max_len)
     sizes = _as_lengths(lengths)
+    if strategy == "stream":
+        return _stream(sizes, max_len), 0
     if strategy == "bfd_split":
         rows = _best_fit(_split_pieces(sizes, max_len), max_len)
         return _remainder_after_its_pieces(rows, max_len), 0
@@ -164,6 +169,23 @@ def _remainder_after_its_pieces(rows: list[list[Piece]], max_len: int) -> list[l
         + [row for row in full if row[0][0] == doc]
         + rows[first_other:]
     )
+
+
+def _stream(sizes: list[int], max_len: int) -> list[list[Piece]]:
+    """Every document in order, cut wherever a row is full."""
+    rows: list[list[Piece]] = []
+    room = 0
+    for i, n in enumerate(sizes):
+        start = 0
+        while start < n:
+            if room == 0:
+                rows.append([])
+                room = max_len
+            take = min(room, n - start)
+            rows[-1].append((i, start, start + take))
+            start += take
+            room -= take
+    return rows
 
 
 def _next_fit(pieces: list[Piece], max_len: int) -> list[list[Piece]]:

@@ -156,31 +156,17 @@ class Pipeline:
             "records_read": result.records_read,
             "records_written": result.records_written,
             "rows": len(result.rows),
-            "dropped_tokens": result.dropped_tokens,
             "tokens": result.tokens,
             "trained_tokens": result.trained_tokens,
+            "ledgers": {domain: ledger.as_dict() for domain, ledger in result.ledgers.items()},
         }
         rows_per_domain: dict[str, int] = {}
         for domain, _ in result.rows:
             rows_per_domain[domain] = rows_per_domain.get(domain, 0) + 1
         journal.append(result.index, rows_per_domain, counts, errors)
         for err_line in errors:
-            summary.count_error(err_line["reason"], err_line["text"])
-            state.rejects.append(
-                orjson.dumps(
-                    {k: err_line[k] for k in ("source", "line", "field", "reason", "message")}
-                )
-                + b"\n"
-            )
-        for name in (
-            "records_read",
-            "records_written",
-            "rows",
-            "dropped_tokens",
-            "tokens",
-            "trained_tokens",
-        ):
-            setattr(summary, name, getattr(summary, name) + counts[name])
+            state.add_error(err_line)
+        summary.add_counts(counts)
         for domain, row in result.rows:
             if skip_rows.get(domain, 0) > 0:
                 skip_rows[domain] -= 1  # already in a published shard from the interrupted run

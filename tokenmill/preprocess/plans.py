@@ -7,18 +7,22 @@ unseekable file is read in one pass, and `read_chunk` reads a plan back into its
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import orjson
 
 from tokenmill.preprocess.chunks import Chunk
 from tokenmill.preprocess.inputs import input_suffix, open_bytes, open_parquet
-from tokenmill.preprocess.records import Record, RecordError, read_records
+from tokenmill.preprocess.records import (
+    PARQUET_BATCH_ROWS,
+    Record,
+    RecordError,
+    parse_line,
+    read_records,
+)
 
 _SKIP_BYTES = 1 << 20
 
@@ -183,9 +187,7 @@ class FileRangeReader:
             self.position += len(raw)
             if line != wanted[taken]:
                 continue
-            if line == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8) :]
-            yield Record(path, line, orjson.loads(raw))
+            yield Record(path, line, parse_line(raw, path, line))
             taken += 1
             if taken == len(wanted):
                 return
@@ -212,7 +214,7 @@ def _read_parquet_rows(file_range: FileRange) -> Iterator[Record]:
             group += 1
         groups = list(range(group, parquet.num_row_groups))
         taken = 0
-        for batch in parquet.iter_batches(batch_size=1024, row_groups=groups):
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups):
             for data in batch.to_pylist():
                 row += 1
                 if row > file_range.first:

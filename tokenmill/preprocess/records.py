@@ -1,7 +1,8 @@
-"""Records: the first stage of the flow, raw files -> `Record`s that remember their origin.
+"""Records: input files (opened by inputs.py) -> `Record`s that remember their origin.
 
 Reads .jsonl / .json (one object or a list) and their .gz / .zst forms, and .parquet, all
-streamed. Every bad line becomes a `RecordError` naming file, line and field; the caller either
+streamed; `parse_line` is the one JSONL line parser (preprocessing, the Ray engine's reads
+and the training store's raw route all use it). Every bad line becomes a `RecordError` naming file, line and field; the caller either
 lets it raise or collects it with `on_error` and goes on with the next line.
 """
 
@@ -35,7 +36,7 @@ REASONS = (
 )  # fmt: skip
 
 
-_PARQUET_BATCH_ROWS = 1024
+PARQUET_BATCH_ROWS = 1024
 
 
 _STREAM_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError, pa.ArrowException)
@@ -60,10 +61,12 @@ class RecordError(ValueError):
         super().__init__(where + message)
         self.source, self.line, self.field = source, line, field
         self.message, self.reason = message, reason
+        self.tokens = 0  # tokens the record was rendered to before it was dropped (the ledger's)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Errors cross process boundaries in the pipeline; rebuild from the fields, not str(self).
-        return (type(self), (self.source, self.line, self.field, self.message, self.reason))
+        fields = (self.source, self.line, self.field, self.message, self.reason)
+        return (type(self), fields, {"tokens": self.tokens})
 
 
 ON_ERROR = ("raise", "skip")  # what a run does with a malformed record
@@ -98,8 +101,6 @@ def _read_jsonl(
     with open_bytes(path) as stream:
         for line, raw in _numbered_lines(stream, path, on_error):
             start, position = position, position + len(raw)
-            if line == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8) :]
             if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
                 continue
             try:
@@ -113,7 +114,10 @@ def _read_jsonl(
 
 
 def parse_line(raw: bytes, source: str, line: int) -> dict:
-    """One JSONL line as a JSON object, or a RecordError naming `source:line`."""
+    """One JSONL line as a JSON object (a UTF-8 BOM opening the file is dropped), or a
+    RecordError naming `source:line`."""
+    if line == 1 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -176,7 +180,7 @@ def _read_parquet(path: InputPath, on_error: OnError) -> Iterator[Record]:
     row = 0
     try:
         with open_parquet(path) as parquet:
-            for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
                 for data in batch.to_pylist():
                     row += 1
                     yield Record(source, row, data)

@@ -16,8 +16,9 @@ from typing import Any
 
 import orjson
 
+from tokenmill.preprocess.ledger import Ledger
 from tokenmill.shards.files import write_atomic
-from tokenmill.shards.format import TMP_MARK, row_tokens, shard_records
+from tokenmill.shards.format import TMP_MARK, checksum, row_tokens, shard_records
 from tokenmill.shards.reader import find_shards, read_meta
 
 FIRST_ERRORS_PER_REASON = 5
@@ -28,7 +29,9 @@ STATE_DIR = ".tokenmill-run"
 
 @dataclass
 class Summary:
-    """Counts of one run; printed by the CLI and stored in the manifest."""
+    """Counts of one run and its ledger (in total and per domain); printed by the CLI and stored
+    in the manifest. `tokens` are the tokens written; `skipped` counts dropped records by the
+    reason their RecordError gives."""
 
     records_read: int = 0
     records_written: int = 0
@@ -40,12 +43,35 @@ class Summary:
     dropped_tokens: int = 0
     shards: int = 0
     seconds: float = 0.0
+    tokens_read: int = 0
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)
+    domains: dict[str, dict[str, Any]] = field(default_factory=dict)  # domain -> its ledger
 
     def count_error(self, reason: str, text: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
         first = self.first_errors.setdefault(reason, [])
         if len(first) < FIRST_ERRORS_PER_REASON:
             first.append(text)
+
+    def add_counts(self, counts: dict[str, Any]) -> None:
+        """Adds one chunk's counts (as the journal keeps them) to the run's."""
+        for name in ("records_read", "records_written", "rows", "tokens", "trained_tokens"):
+            setattr(self, name, getattr(self, name) + counts[name])
+        total = self.ledger()
+        for domain, data in counts["ledgers"].items():
+            ledger = Ledger.from_dict(self.domains[domain]) if domain in self.domains else Ledger()
+            ledger.add(Ledger.from_dict(data))
+            self.domains[domain] = ledger.as_dict()
+            total.add(Ledger.from_dict(data))
+        self.tokens_read, self.dropped = total.tokens_read, total.as_dict()["dropped"]
+        self.dropped_tokens = total.dropped_tokens
+
+    def ledger(self) -> Ledger:
+        """The run's ledger in total."""
+        ledger = Ledger(self.records_read, self.records_written, self.tokens_read, self.tokens)
+        for reason, entry in self.dropped.items():
+            ledger.drop(reason, entry["records"], entry["tokens"])
+        return ledger
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,12 +86,15 @@ class Summary:
             f"records written  {self.records_written:>12,}",
             f"records skipped  {skipped:>12,}" + (f"  ({reasons})" if reasons else ""),
             f"rows             {self.rows:>12,}",
-            f"tokens           {self.tokens:>12,}",
+            *self.ledger().format(),
             f"trained tokens   {self.trained_tokens:>12,}{share}",
-            f"dropped tokens   {self.dropped_tokens:>12,}",
             f"shards           {self.shards:>12,}",
             f"seconds          {self.seconds:>12.2f}  ({rate:,.0f} tokens/s)",
         ]
+        if len(self.domains) > 1:
+            for domain, data in sorted(self.domains.items()):
+                lines.append(f"domain {domain or '(none)'}:")
+                lines += Ledger.from_dict(data).format(indent="  ")
         for reason, msgs in sorted(self.first_errors.items()):
             lines += [f"  {reason}: {m}" for m in msgs]
         return "\n".join(lines)
@@ -78,6 +107,12 @@ class ResumeState:
     rejects: list[bytes] = field(default_factory=list)
     published: dict[str, list[dict]] = field(default_factory=dict)
     skip_rows: dict[str, int] = field(default_factory=dict)
+
+    def add_error(self, err: dict[str, Any]) -> None:
+        """Counts a dropped record (as the journal keeps it) and lists it for rejects.jsonl."""
+        self.summary.count_error(err["reason"], err["text"])
+        fields = ("source", "line", "field", "reason", "message")
+        self.rejects.append(orjson.dumps({k: err[k] for k in fields}) + b"\n")
 
 
 class Journal:
@@ -118,7 +153,7 @@ class Journal:
         return changed or ["same inputs; the config, tokenizer or --on-error differ"]
 
     def append(
-        self, chunk: int, rows: dict[str, int], counts: dict[str, int], errors: list[dict]
+        self, chunk: int, rows: dict[str, int], counts: dict[str, Any], errors: list[dict]
     ) -> None:
         line = {"chunk": chunk, "rows": rows, "counts": counts, "errors": errors}
         self._file.write(orjson.dumps(line) + b"\n")
@@ -176,19 +211,9 @@ class Journal:
 
 
 def _replay(state: ResumeState, entry: dict) -> None:
-    s, c = state.summary, entry["counts"]
-    s.records_read += c["records_read"]
-    s.records_written += c["records_written"]
-    s.rows += c["rows"]
-    s.tokens += c["tokens"]
-    s.trained_tokens += c["trained_tokens"]
-    s.dropped_tokens += c["dropped_tokens"]
+    state.summary.add_counts(entry["counts"])
     for err in entry["errors"]:
-        s.count_error(err["reason"], err["text"])
-        state.rejects.append(
-            orjson.dumps({k: err[k] for k in ("source", "line", "field", "reason", "message")})
-            + b"\n"
-        )
+        state.add_error(err)
 
 
 def published_shards(domain_dir: Path, primary: str) -> list[dict]:
@@ -211,8 +236,6 @@ def published_shards(domain_dir: Path, primary: str) -> list[dict]:
             }
         )
     for part in sorted(domain_dir.glob("part_*.jsonl")):
-        import xxhash
-
         data = part.read_bytes()
         lines = data.splitlines()
         tokens = sum(row_tokens(orjson.loads(line)[primary]) for line in lines)
@@ -223,7 +246,7 @@ def published_shards(domain_dir: Path, primary: str) -> list[dict]:
                 "tokens": tokens,
                 "keys": list(orjson.loads(lines[0])) if lines else [],
                 "nbytes": len(data),
-                "xxh64": xxhash.xxh64(data).hexdigest(),
+                "xxh64": checksum(data),
             }
         )
     return infos

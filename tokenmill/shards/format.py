@@ -47,8 +47,11 @@ class Column:
     items: np.ndarray | None = None
 
 
-def checksum(array: np.ndarray) -> str:
-    return xxhash.xxh64(np.ascontiguousarray(array).data).hexdigest()
+def checksum(data: np.ndarray | bytes) -> str:
+    """xxh64 of an array's bytes, or of bytes: what meta.json and the manifest record."""
+    return xxhash.xxh64(
+        data if isinstance(data, bytes) else np.ascontiguousarray(data).data
+    ).hexdigest()
 
 
 def cast(values: np.ndarray, dtype: str, where: str) -> np.ndarray:

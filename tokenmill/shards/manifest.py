@@ -20,6 +20,15 @@ def write_manifest(root: Path, manifest: dict) -> None:
     write_atomic(Path(root) / "manifest.json", (json.dumps(manifest, indent=2) + "\n").encode())
 
 
+def listed(manifest: dict) -> list[tuple[str, dict]]:
+    """(path below the dataset folder, info) of every shard or part the manifest lists."""
+    return [
+        (f"{domain}/{info['name']}" if domain else info["name"], info)
+        for domain, infos in manifest.get("domains", {}).items()
+        for info in infos
+    ]
+
+
 def read_manifest(root: Path) -> dict | None:
     path = Path(root) / "manifest.json"
     if not path.exists():

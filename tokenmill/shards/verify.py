@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import xxhash
 
 from tokenmill.shards.files import file_checksum
 from tokenmill.shards.format import (
@@ -18,11 +17,12 @@ from tokenmill.shards.format import (
     OFFSET_DTYPE,
     TMP_MARK,
     bounds_count,
+    checksum,
     is_tmp,
     primary_key,
     shard_records,
 )
-from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import find_shards, map_array, read_meta
 
 
@@ -119,30 +119,29 @@ def _verify_bounds(
 
 
 def _verify_manifest(root: Path, manifest: dict, found: dict[str, dict]) -> list[str]:
-    problems, listed = [], set()
-    for domain, infos in manifest.get("domains", {}).items():
-        for info in infos:
-            rel = f"{domain}/{info['name']}" if domain else info["name"]
-            listed.add(rel)
-            if rel.endswith(".jsonl"):
-                problems += _verify_part(root / rel, rel, info)
-            elif rel not in found:
-                problems.append(f"{rel}: listed in manifest.json but missing")
-            elif found[rel]:
-                meta = found[rel]
-                primary = manifest.get("primary_key")
-                tokens = meta[primary if primary in meta else primary_key(list(meta))]["shape"][0]
-                for what, have in (("records", shard_records(meta)), ("tokens", tokens)):
-                    if info.get(what) is not None and info[what] != have:
-                        problems.append(
-                            f"{rel}: manifest.json says {info[what]} {what}, meta.json has {have}"
-                        )
-    problems += [f"{rel}: shard not listed in manifest.json" for rel in found if rel not in listed]
+    problems: list[str] = []
+    entries = listed(manifest)
+    for rel, info in entries:
+        if rel.endswith(".jsonl"):
+            problems += _verify_part(root / rel, rel, info)
+        elif rel not in found:
+            problems.append(f"{rel}: listed in manifest.json but missing")
+        elif found[rel]:
+            meta = found[rel]
+            primary = manifest.get("primary_key")
+            tokens = meta[primary if primary in meta else primary_key(list(meta))]["shape"][0]
+            for what, have in (("records", shard_records(meta)), ("tokens", tokens)):
+                if info.get(what) is not None and info[what] != have:
+                    problems.append(
+                        f"{rel}: manifest.json says {info[what]} {what}, meta.json has {have}"
+                    )
+    names = {rel for rel, _ in entries}
+    problems += [f"{rel}: shard not listed in manifest.json" for rel in found if rel not in names]
     parts = sorted(p.relative_to(root) for p in root.rglob("part_*.jsonl") if p.is_file())
     problems += [
         f"{rel.as_posix()}: part not listed in manifest.json"
         for rel in parts
-        if not is_tmp(rel) and rel.as_posix() not in listed
+        if not is_tmp(rel) and rel.as_posix() not in names
     ]
     return problems
 
@@ -154,7 +153,7 @@ def _verify_part(path: Path, rel: str, info: dict) -> list[str]:
     data = path.read_bytes()
     if "nbytes" in info and len(data) != info["nbytes"]:
         return [f"{rel}: {len(data)} bytes, manifest.json says {info['nbytes']}: truncated"]
-    if "xxh64" in info and xxhash.xxh64(data).hexdigest() != info["xxh64"]:
+    if "xxh64" in info and checksum(data) != info["xxh64"]:
         return [f"{rel}: xxh64 checksum mismatch: the data is corrupted"]
     lines = data.count(b"\n")
     if info.get("records") is not None and lines != info["records"]:

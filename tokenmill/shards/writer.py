@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from tokenmill.shards.buffers import ShardBuffer, jsonl_line
 from tokenmill.shards.files import fsync_dir, publish, tmp_path, write_durable
@@ -94,7 +93,7 @@ def stage_part(part: Path, lines: list[bytes]) -> tuple[Path, dict]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return tmp, {"nbytes": len(data), "xxh64": xxhash.xxh64(data).hexdigest()}
+    return tmp, {"nbytes": len(data), "xxh64": checksum(data)}
 
 
 class ShardCutter:
@@ -147,25 +146,25 @@ class ShardWriter:
         self.published: list[dict] = []
         self.closed = False
 
-    def add(self, record: dict[str, Any]) -> None:
-        """Adds one output record; every record must have the first record's keys."""
+    def add(self, row: dict[str, Any]) -> None:
+        """Adds one row (a stored record); every row must have the first row's keys."""
         if self.closed:
             raise RuntimeError("ShardWriter is closed")
-        if self.primary_key not in record:
+        if self.primary_key not in row:
             raise ValueError(
-                f"primary key {self.primary_key!r} is not in the record keys {list(record)}"
+                f"primary key {self.primary_key!r} is not in the record keys {list(row)}"
             )
-        tokens = row_tokens(record[self.primary_key])
+        tokens = row_tokens(row[self.primary_key])
         if self.cutter.close_before(tokens):
             self._flush()
         if self.storage_format == "jsonl":
-            self.buffer.check(record)
+            self.buffer.check(row)
             self.lines.append(
-                jsonl_line({k: record[k] for k in self.buffer.keys or []}, self.buffer.dtypes)
+                jsonl_line({k: row[k] for k in self.buffer.keys or []}, self.buffer.dtypes)
             )
             self.buffer.records += 1
         else:
-            self.buffer.add(record)
+            self.buffer.add(row)
         if self.cutter.add(tokens):
             self._flush()
 

@@ -173,7 +173,3 @@ COMMANDS = {
     "verify": cmd_verify,
     "demo": cmd_demo,
 }
-
-
-if __name__ == "__main__":
-    sys.exit(main())

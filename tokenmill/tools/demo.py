@@ -3,7 +3,8 @@
 Preprocess every training type, inspect them, then train a tiny causal language
 model on the CPU through DataflowLoader with packing; stop midway, resume from
 the saved state, and check that the resumed run saw exactly the batches an
-uninterrupted run sees: each window once per epoch, none twice, none skipped.
+uninterrupted run sees: each sample (one whole prompt and response) once per epoch,
+none twice, none skipped. Everything runs with the defaults a user gets.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ INPUTS = {
 }
 
 
-WINDOW, BUDGET = 64, 512
+WINDOW, BUDGET = 1024, 1024  # the longest sample, and the tokens of one packed batch
 
 
 def preprocess_all(out: Path, log: Callable[[str], None], types: list[str] | None = None) -> None:
@@ -46,7 +47,6 @@ def preprocess_all(out: Path, log: Callable[[str], None], types: list[str] | Non
             out / train_type,
             tokenizer_path=tokenizer,
             overwrite=True,
-            on_error="skip",
         ).run()
         log(summary.format())
         log(format_stats(dataset_stats(out / train_type)))
@@ -134,13 +134,13 @@ def train(
     """Train `stop_at` steps, save, stop; resume from the files and train to `steps`; check exactly-once."""
     import torch
 
-    dataset = DatasetFactory.load("sft", dataset_dir, window_size=WINDOW)
+    dataset = DatasetFactory.load("sft", dataset_dir, window_size=WINDOW, sample="record")
     store_ids = np.unique(dataset.store.fetch(0, dataset.store.token_count, "sequence").numpy())
     remap = np.zeros(int(store_ids.max()) + 1, dtype=np.int64)
     remap[store_ids] = np.arange(1, len(store_ids) + 1)  # 0 stays free for padding
     vocab = len(store_ids) + 1
     log(
-        f"== train a tiny causal LM: {len(dataset)} windows of {WINDOW} tokens, packed to {BUDGET} "
+        f"== train a tiny causal LM: {len(dataset)} whole samples of up to {WINDOW} tokens, packed to {BUDGET} "
         f"tokens per batch, vocabulary {vocab:,}, {steps} steps, stop at {stop_at} and resume"
     )
 
@@ -206,7 +206,7 @@ def exactly_once(seen: list[list[int]], reference: list[list[int]], size: int) -
     same = seen == reference
     ok = same and duplicates == 0 and missing == 0
     message = (
-        f"{'PASSED' if ok else 'FAILED'}: {len(flat)} windows consumed over {len(full)} full epoch(s) "
+        f"{'PASSED' if ok else 'FAILED'}: {len(flat)} samples consumed over {len(full)} full epoch(s) "
         f"and a partial one; duplicates within an epoch {duplicates}, missing {missing}; "
         f"resumed stream {'identical to' if same else 'DIFFERENT from'} the uninterrupted one"
     )

@@ -1,8 +1,10 @@
 """Dataset statistics for `tokenmill inspect`: what a trainer is about to learn from, in numbers.
 
 Reads shards the way the stores do (meta.json + flat arrays, memory-mapped) and
-computes per domain: records, tokens, shards, length percentiles, trained-token
-share, packing fill, DPO length gaps, GRPO group sizes and rewards.
+computes per domain: documents and the packed rows that hold them (counted and measured
+apart: document lengths decide truncation, row lengths decide batching), tokens, shards,
+trained-token share, packing fill, DPO length gaps, GRPO group sizes and rewards; and the
+run's ledger from the manifest (tokens read, written, dropped by reason).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.preprocess.ledger import Ledger
+from tokenmill.preprocess.runlog import Summary
 from tokenmill.shards.format import Column, primary_key, shard_records
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
@@ -33,11 +37,16 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
     groups: list[np.ndarray] = []
     rewards: list[np.ndarray] = []
     trained: dict[str, int] = {}
-    records = 0
+    documents: list[np.ndarray] = []
+    rows = 0
     for shard in shards:
         meta = read_meta(shard)
         columns = map_shard(shard, meta)
-        records += shard_records(meta)
+        rows += shard_records(meta)
+        if "doc_lengths" in columns:
+            documents.append(np.asarray(columns.pop("doc_lengths").values, dtype=np.int64))
+        elif "sequence" in columns:  # one document per row
+            documents.append(_record_lengths(columns["sequence"], len(columns["sequence"].values)))
         for key, column in columns.items():
             n = len(column.values)
             info = keys.setdefault(key, {"dtype": meta[key]["dtype"], "elements": 0})
@@ -50,7 +59,15 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
                 lengths.setdefault(key, []).append(_record_lengths(column, n))
             if column.items is not None and column.offsets is not None and key != "masks":
                 groups.append(np.diff(column.offsets))
-    out: dict[str, Any] = {"records": records, "shards": len(shards), "keys": {}}
+    docs = np.concatenate(documents) if documents else np.empty(0, np.int64)
+    out: dict[str, Any] = {
+        "rows": rows,
+        "documents": len(docs) if documents else rows,
+        "shards": len(shards),
+        "keys": {},
+    }
+    if documents:
+        out["document_length"] = _percentiles(docs)
     for key, info in keys.items():
         row: dict[str, Any] = {"dtype": info["dtype"], "tokens": info["elements"]}
         if key in lengths:
@@ -104,9 +121,9 @@ def _packing_fill(manifest: dict | None, stats: dict) -> float | None:
     if not manifest or "sequence" not in stats["keys"]:
         return None
     pre = manifest.get("config", {}).get("preprocessing", {})
-    if pre.get("packing_strategy", "none") == "none" or not stats["records"]:
+    if pre.get("packing_strategy", "none") == "none" or not stats["rows"]:
         return None
-    return stats["keys"]["sequence"]["tokens"] / (stats["records"] * pre["max_packed_len"])
+    return stats["keys"]["sequence"]["tokens"] / (stats["rows"] * pre["max_packed_len"])
 
 
 def dataset_stats(root: str | Path) -> dict[str, Any]:
@@ -123,9 +140,12 @@ def dataset_stats(root: str | Path) -> dict[str, Any]:
             shard
         )
     domains = {d: domain_stats(s, manifest) for d, s in by_domain.items()}
-    total = sum(d["records"] for d in domains.values())
-    for d in domains.values():
-        d["record_share"] = d["records"] / total if total else 0.0
+    total = sum(d["documents"] for d in domains.values())
+    ledgers = ((manifest or {}).get("summary") or {}).get("domains", {})
+    for name, d in domains.items():
+        d["document_share"] = d["documents"] / total if total else 0.0
+        if name in ledgers:
+            d["ledger"] = ledgers[name]
     out: dict[str, Any] = {"path": str(root), "domains": domains}
     if manifest:
         out["provenance"] = {
@@ -139,6 +159,8 @@ def dataset_stats(root: str | Path) -> dict[str, Any]:
             )
         }
         out["summary"] = manifest.get("summary")
+        if out["summary"] and "tokens_read" in out["summary"]:
+            out["ledger"] = Summary(**out["summary"]).ledger().as_dict()
     return out
 
 
@@ -146,21 +168,30 @@ def format_stats(stats: dict[str, Any]) -> str:
     lines = [f"dataset {stats['path']}"]
     for k, v in (stats.get("provenance") or {}).items():
         lines.append(f"  {k:<22} {v}")
+    if "ledger" in stats:
+        lines += ["", "ledger (every input token: read = written + dropped)"]
+        lines += Ledger.from_dict(stats["ledger"]).format(indent="  ")
     for name, d in stats["domains"].items():
         lines.append("")
         lines.append(
-            f"domain {name or '(root)'}: {d['records']:,} records, {d['shards']} shard(s), "
-            f"{d['record_share']:.1%} of records"
+            f"domain {name or '(root)'}: {d['documents']:,} documents in {d['rows']:,} rows, "
+            f"{d['shards']} shard(s), {d['document_share']:.1%} of documents"
         )
+        if "ledger" in d and len(stats["domains"]) > 1:
+            lines += Ledger.from_dict(d["ledger"]).format(indent="  ")
         lines.append(
-            f"  {'key':<16}{'dtype':<9}{'tokens':>14}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}{'trained':>9}"
+            f"  {'lengths':<16}{'dtype':<9}{'tokens':>14}{'p50':>8}{'p90':>8}{'p99':>8}{'max':>8}{'trained':>9}"
         )
+        if "document_length" in d:
+            cells = "".join(f"{d['document_length'][p]:>8,}" for p in ("p50", "p90", "p99", "max"))
+            lines.append(f"  {'documents':<16}{'':<9}{'':>14}{cells}")
         for key, row in d["keys"].items():
             share = f"{row['trained_share']:.1%}" if "trained_share" in row else ""
             cells = "".join(
                 f"{row[p]:>8,}" if p in row else f"{'':>8}" for p in ("p50", "p90", "p99", "max")
             )
-            lines.append(f"  {key:<16}{row['dtype']:<9}{row['tokens']:>14,}{cells}{share:>9}")
+            label = f"{key} (rows)" if key == "sequence" and "document_length" in d else key
+            lines.append(f"  {label:<16}{row['dtype']:<9}{row['tokens']:>14,}{cells}{share:>9}")
         for extra in ("trained_share", "packing_fill"):
             if extra in d:
                 lines.append(f"  {extra:<22} {d[extra]:.1%}")
@@ -173,27 +204,37 @@ def format_stats(stats: dict[str, Any]) -> str:
 
 
 def plot_stats(root: str | Path, stats: dict[str, Any], path: str | Path) -> None:
-    """Length histogram per domain and trained share per domain, as one PNG."""
+    """Document and row length histograms per domain, and trained share per domain, as one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     root = Path(root)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (docs_ax, rows_ax, ax2) = plt.subplots(1, 3, figsize=(16, 4.5))
     for name in stats["domains"]:
         folder = root / name if name else root
-        lens = []
+        docs, rows = [], []
         for shard in find_shards(folder):
             if name == "" and shard.parent != root:
                 continue
             meta = read_meta(shard)
+            columns = map_shard(shard, meta)
             key = primary_key(list(meta))
-            lens.append(_record_lengths(map_shard(shard, meta)[key], meta[key]["shape"][0]))
-        if lens:
-            ax1.hist(np.concatenate(lens), bins=50, alpha=0.6, label=name or "(root)")
-    ax1.set(title="record length (tokens of the primary key)", xlabel="tokens", ylabel="records")
-    ax1.legend()
+            rows.append(_record_lengths(columns[key], meta[key]["shape"][0]))
+            docs.append(
+                np.asarray(columns["doc_lengths"].values) if "doc_lengths" in columns else rows[-1]
+            )
+        label = name or "(root)"
+        if docs:
+            docs_ax.hist(np.concatenate(docs), bins=50, alpha=0.6, label=label)
+            rows_ax.hist(np.concatenate(rows), bins=50, alpha=0.6, label=label)
+    docs_ax.set(
+        title="document length (stored, after truncation)", xlabel="tokens", ylabel="documents"
+    )
+    rows_ax.set(title="row length (documents packed)", xlabel="tokens", ylabel="rows")
+    docs_ax.legend()
+    rows_ax.legend()
     names = list(stats["domains"])
     shares = [
         stats["domains"][n].get("trained_share", _mean_mask_share(stats["domains"][n]))

@@ -15,9 +15,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from tokenmill.preprocess.config import default_config
-from tokenmill.preprocess.masking import RecordMasker
-from tokenmill.preprocess.tokenizer import load_tokenizer
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.training.factory import StoreFactory, detect_format
 
@@ -115,22 +112,96 @@ class SEQDataset(_StreamDataset):
         }
 
 
+SAMPLES = ("row", "record", "window")
+
+
 class SFTDataset(_StreamDataset):
-    """SFT: adds `loss_mask` aligned with `target_ids` (True: that target trains) and
-    `position_ids` aligned with `input_ids`."""
+    """SFT and instruction data: `input_ids`, `target_ids` (shifted by one), `loss_mask`
+    aligned with the targets (True: that target trains) and `position_ids` aligned with the
+    inputs. What one item is, by `sample`:
+
+    - row (default): one stored row, whole conversations packed by the pipeline, never cut;
+      the item also carries `doc_lengths`, its documents' lengths in `input_ids` (from the
+      shards' stored boundaries), for PackedCollator's `cu_seqlens`.
+    - record: one conversation (document) alone, for padding or packing at load time.
+    - window: window i of the concatenated token stream (the seed's behaviour): windows
+      start anywhere, mid-conversation included.
+
+    Rows and records vary in length (pad or pack them: SFTPaddingCollator, PackedCollator);
+    none may be longer than the sample, `window_size` + 1 tokens (or `max_len` + 1 for a
+    store without a window), and the dataset refuses to open otherwise, naming the longest."""
 
     train_type = "sft"
     keys = ("sequence", "loss_mask", "position_ids")
 
+    def __init__(self, store: Any, max_len: int = 2048, sample: str = "row") -> None:
+        super().__init__(store, max_len)
+        if sample not in SAMPLES:
+            raise ValueError(f"sample must be one of {list(SAMPLES)}, got {sample!r}")
+        self.sample = sample
+        if sample != "window":
+            self._starts, self._lengths = self._documents() if sample == "record" else self._rows()
+            limit = getattr(store, "window_size", None) or max_len
+            too_long = np.flatnonzero(self._lengths - 1 > limit)
+            if len(too_long):
+                longest = int(self._lengths.max())
+                raise ValueError(
+                    f"{len(too_long)} {sample}s are longer than the sample ({limit} + 1 tokens); "
+                    f"the longest has {longest:,}: load with window_size >= {longest - 1}, "
+                    f"preprocess with max_packed_len <= {limit + 1}, or use sample='window'"
+                )
+
+    def _rows(self) -> tuple[np.ndarray, np.ndarray]:
+        lengths = np.asarray(self.store.record_lengths("sequence"), dtype=np.int64)
+        return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
+
+    def _documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each document's start in the token stream and its length: from the rows' stored
+        `doc_lengths`, or one document per row when the rows hold one each."""
+        if "doc_lengths" not in self.store.keys:
+            return self._rows()
+        total = int(np.asarray(self.store.record_lengths("doc_lengths")).sum())
+        lengths = self.store.fetch(0, total, "doc_lengths").numpy().astype(np.int64)
+        return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
+
+    def __len__(self) -> int:
+        return super().__len__() if self.sample == "window" else len(self._lengths)
+
+    def sample_length(self, index: int) -> int:
+        if self.sample == "window":
+            return super().sample_length(index)
+        return int(self._lengths[self._check_index(index)]) - 1
+
+    def _cut_params(self) -> str:
+        return super()._cut_params() if self.sample == "window" else f"sample={self.sample}"
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        data = self._window(index, list(self.keys))
+        if self.sample == "window":
+            data = self._window(index, list(self.keys))
+        else:
+            index = self._check_index(index)
+            begin = int(self._starts[index])
+            data = self.store.fetch_arrays(
+                begin, begin + int(self._lengths[index]), list(self.keys)
+            )
         tokens = data["sequence"].astype(np.int64)  # the one copy, widened; astype always copies
-        return {
+        item = {
             "input_ids": torch.from_numpy(tokens[:-1]),
             "target_ids": torch.from_numpy(tokens[1:]),
             "loss_mask": torch.from_numpy(data["loss_mask"][1:].astype(np.bool_)),
             "position_ids": torch.from_numpy(data["position_ids"][:-1].astype(np.int64)),
         }
+        if self.sample != "window":
+            item["doc_lengths"] = self._doc_lengths(index, len(tokens) - 1)
+        return item
+
+    def _doc_lengths(self, index: int, inputs: int) -> torch.Tensor:
+        """The documents of item `index` as lengths in its inputs (the last one a token short)."""
+        if self.sample == "record" or "doc_lengths" not in self.store.keys:
+            return torch.tensor([inputs] if inputs else [], dtype=torch.int64)
+        lengths = self.store.fetch_record(index, "doc_lengths").to(torch.int64)
+        lengths[-1] -= 1
+        return lengths[lengths > 0]
 
 
 class _RecordDataset(BaseDataset):
@@ -247,9 +318,17 @@ class DatasetFactory:
     """Builds a dataset from a path (format detected, store loaded) or from a loaded store."""
 
     @staticmethod
-    def create(train_type: str, store: Any, max_len: int = 2048) -> BaseDataset:
-        """Wrap an already-loaded store; its window and stride are used as they are."""
-        return _dataset_class(train_type)(store, max_len=max_len)
+    def create(
+        train_type: str, store: Any, max_len: int = 2048, sample: str | None = None
+    ) -> BaseDataset:
+        """Wrap an already-loaded store; its window and stride are used as they are.
+        `sample` (sft only): row (default), record or window (see SFTDataset)."""
+        cls = _dataset_class(train_type)
+        if sample is None:
+            return cls(store, max_len=max_len)
+        if cls is not SFTDataset:
+            raise ValueError(f"sample= is for sft data; {train_type} items are whole records")
+        return SFTDataset(store, max_len=max_len, sample=sample)
 
     @staticmethod
     def load(
@@ -261,16 +340,18 @@ class DatasetFactory:
         tokenizer_path: str | Path | None = None,
         max_len: int = 2048,
         store: Any = None,
+        sample: str | None = None,
     ) -> BaseDataset:
         """Open `load_path` for `train_type`. Raw JSONL is tokenized eagerly for seq/sft and
         lazily (per fetched record) for dpo/grpo when `tokenizer_path` is given. A given
-        `store` skips every path, format, tokenizer, window and stride step."""
-        cls = _dataset_class(train_type)
+        `store` skips every path, format, tokenizer, window and stride step. `sample` (sft
+        only): row (default: whole conversations, packed), record or window."""
+        _dataset_class(train_type)
         if store is None:
             store = _load_store(
                 train_type, load_path, window_size, stride, storage_type, tokenizer_path
             )
-        return cls(store, max_len=max_len)
+        return DatasetFactory.create(train_type, store, max_len=max_len, sample=sample)
 
 
 def _load_store(
@@ -297,6 +378,9 @@ def _load_store(
 
 def record_processor(train_type: str, tokenizer_path: str | Path) -> Any:
     """The lazy JSONL route: the built-in config for `train_type`, applied per record."""
+    from tokenmill.preprocess.config import default_config
+    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.tokenizer import load_tokenizer
 
     masker = RecordMasker(default_config(train_type), load_tokenizer(tokenizer_path))
     return masker.process

@@ -2,7 +2,7 @@
 
 Beside store.py (the Store contract): records are transformed eagerly
 (`transform=`, a `dataset_config.json`, or the built-in chat config) into in-memory
-parts, or lazily (`processor=`) from an index of line positions, so memory stays
+views, or lazily (`processor=`) from an index of line positions, so memory stays
 flat in the number of records.
 """
 
@@ -18,13 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
-from tokenmill.preprocess.records import parse_line, read_records
-from tokenmill.preprocess.tokenizer import load_tokenizer
 from tokenmill.shards.buffers import ShardBuffer
 from tokenmill.shards.format import is_list_value, is_tmp
-from tokenmill.shards.manifest import read_manifest
-from tokenmill.training.store import Store, StorePart, Transform, cumulative
+from tokenmill.shards.manifest import listed, read_manifest
+from tokenmill.training.store import ShardView, Store, Transform, cumulative
 
 
 class JsonlStore(Store):
@@ -52,6 +49,10 @@ class JsonlStore(Store):
             self._index_lines()
             return self
         self.processor = None
+        # the raw-JSONL route into preprocessing, imported only when raw records are read
+        from tokenmill.preprocess.masking import FILTER_REASONS
+        from tokenmill.preprocess.records import read_records
+
         apply, dtypes = _choose_transform(Path(path), transform, tokenizer_path)
         dtypes = stored_dtypes if apply is _pretokenized and stored_dtypes else dtypes
         buffer = ShardBuffer(dtypes)
@@ -67,7 +68,7 @@ class JsonlStore(Store):
         if not buffer.records:
             raise ValueError(f"{path}: no records to load (skipped: {self.skipped or 'none'})")
         self.fingerprint = _files_digest(self.files)
-        self._set_parts([StorePart(str(path), buffer.build(), buffer.records)])
+        self._set_views([ShardView(str(path), buffer.build(), buffer.records)])
         return self
 
     # --- lazy mode: an int64 array of line positions, one record processed per fetch -----
@@ -78,7 +79,7 @@ class JsonlStore(Store):
         self._file_starts = cumulative([len(p) for p in per_file])
         self._line_pos = np.concatenate(per_file) if per_file else np.empty(0, np.int64)
         self.fingerprint = digest.hexdigest()[:16]
-        self._parts = None
+        self._views = None
         self._lazy_keys: list[str] | None = None
 
     @property
@@ -86,7 +87,7 @@ class JsonlStore(Store):
         """True when loaded with processor=: records are processed on fetch, no stream access."""
         return self.processor is not None
 
-    def _loaded(self) -> list[StorePart]:
+    def _loaded(self) -> list[ShardView]:
         if self.processor is not None:
             raise ValueError(
                 "a JsonlStore loaded with processor= reads records only (fetch_record)"
@@ -124,6 +125,8 @@ class JsonlStore(Store):
             fh.seek(pos)
             text = fh.readline()
         line = _line_number(source, pos)
+        from tokenmill.preprocess.records import parse_line
+
         try:
             return dict(self.processor(parse_line(text, str(source), line)))  # type: ignore[misc]  # set in lazy mode
         except Exception as err:
@@ -142,11 +145,7 @@ def jsonl_inputs(path: Path) -> tuple[list[Path], dict[str, str] | None]:
         raise FileNotFoundError(f"{path}: no such file or folder")
     manifest = read_manifest(path)
     if manifest and manifest.get("storage_format") == "jsonl":
-        names = [
-            f"{d}/{i['name']}" if d else i["name"]
-            for d, infos in manifest["domains"].items()
-            for i in infos
-        ]
+        names = [rel for rel, _ in listed(manifest)]
         return [path / n for n in names], manifest.get("keys")
     files = sorted(p for p in path.glob("*.jsonl") if not is_tmp(Path(p.name)))
     if not files:
@@ -177,6 +176,8 @@ def _choose_transform(
 
 
 def _masker(config: Any, tokenizer_path: str | Path) -> tuple[Callable, dict]:
+    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.tokenizer import load_tokenizer
 
     masker = RecordMasker(config, load_tokenizer(tokenizer_path))
     return masker.process, masker.dtypes()

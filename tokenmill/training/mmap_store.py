@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 from tokenmill.shards.format import shard_records
-from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
 from tokenmill.shards.verify import verify_dataset
-from tokenmill.training.store import Store, StorePart, Transform
+from tokenmill.training.store import ShardView, Store, Transform
 
 
 # --- shards on disk ---------------------------------------------------------------------------
@@ -54,22 +54,18 @@ class MmapStore(Store):
     def _check_manifest(self, root: Path, shards: list[Path]) -> None:
         if not self.manifest:
             return
-        listed = {
-            f"{d}/{info['name']}" if d else info["name"]
-            for d, infos in self.manifest.get("domains", {}).items()
-            for info in infos
-        }
+        names = {rel for rel, _ in listed(self.manifest)}
         found = {d.relative_to(root).as_posix() for d in shards}
-        missing = sorted(n for n in listed - found if not n.endswith(".jsonl"))
+        missing = sorted(n for n in names - found if not n.endswith(".jsonl"))
         if missing:
             raise ValueError(
                 f"{root}: shards listed in manifest.json are missing: {missing[:5]}; run `tokenmill verify {root}`"
             )
 
     def _map(self) -> None:
-        self._set_parts(
+        self._set_views(
             [
-                StorePart(rel, map_shard(self.root / rel, meta), shard_records(meta))
+                ShardView(rel, map_shard(self.root / rel, meta), shard_records(meta))
                 for rel, meta in self._metas
             ]
         )
@@ -91,8 +87,8 @@ class MmapStore(Store):
     def __getstate__(self) -> dict:
         """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
         state = dict(self.__dict__)
-        if state.get("_parts") is not None:
-            state.update(_parts=None, _starts=None, _record_starts=None, _values={})
+        if state.get("_views") is not None:
+            state.update(_views=None, _starts=None, _record_starts=None, _values={})
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -2,7 +2,7 @@
 
 `fetch(begin, end, keys)` reads a key's stream across shard boundaries;
 `fetch_record(i, keys)` reads record i by its offsets. MmapStore (shards) and JsonlStore
-(raw or pre-tokenized JSONL) fill it with parts: one per shard, or one in-memory load.
+(raw or pre-tokenized JSONL) fill it with views: one per shard, or one in-memory load.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def to_tensor(values: Any) -> torch.Tensor:
 
 
 @dataclass
-class StorePart:
+class ShardView:
     """One shard (or one in-memory JSONL load): its columns and record count."""
 
     name: str
@@ -48,7 +48,7 @@ class StorePart:
 
 
 class Store:
-    """Stream access (`fetch`, `sample_window`) and record access (`fetch_record`) over parts."""
+    """Stream access (`fetch`, `sample_window`) and record access (`fetch_record`) over views."""
 
     def __init__(self, window_size: int | None = None, stride: int | None = None):
         for name, value in (("window_size", window_size), ("stride", stride)):
@@ -58,10 +58,11 @@ class Store:
             raise ValueError("stride needs window_size")
         self.window_size = window_size
         self.stride = stride or window_size
-        self._parts: list[StorePart] | None = None
+        self._views: list[ShardView] | None = None
         self._starts: dict[str, list[int]] = {}
-        self._values: dict[str, list[np.ndarray]] = {}  # key -> each part's values
-        self._shared_starts: list[int] | None = None  # set when every key has the same starts
+        self._values: dict[str, list[np.ndarray]] = {}  # key -> each view's values
+        self._shared_starts: list[int] = []  # the primary key's view starts
+        self._stream_keys: set[str] = set()  # the keys whose views start where the primary's do
         self._num_samples = 0
 
     def load(
@@ -74,37 +75,37 @@ class Store:
         raise NotImplementedError
 
     # --- layout --------------------------------------------------------------------------
-    def _set_parts(self, parts: list[StorePart]) -> None:
-        """Checks every part has the first one's keys and dtypes; builds cumulative starts."""
-        first = parts[0].columns
-        for seg in parts[1:]:
-            if seg.columns.keys() != first.keys():
+    def _set_views(self, views: list[ShardView]) -> None:
+        """Checks every view has the first one's keys and dtypes; builds cumulative starts."""
+        first = views[0].columns
+        for view in views[1:]:
+            if view.columns.keys() != first.keys():
                 raise ValueError(
-                    f"{seg.name}: keys {sorted(seg.columns)} differ from {parts[0].name}'s {sorted(first)}"
+                    f"{view.name}: keys {sorted(view.columns)} differ from {views[0].name}'s {sorted(first)}"
                 )
-            for key, col in seg.columns.items():
+            for key, col in view.columns.items():
                 if col.values.dtype != first[key].values.dtype:
                     raise ValueError(
-                        f"{seg.name}: key {key!r} is {col.values.dtype}, {parts[0].name} has {first[key].values.dtype}"
+                        f"{view.name}: key {key!r} is {col.values.dtype}, {views[0].name} has {first[key].values.dtype}"
                     )
         self._keys = list(first)
         self._starts = {
-            k: cumulative([len(s.columns[k].values) for s in parts]) for k in self._keys
+            k: cumulative([len(s.columns[k].values) for s in views]) for k in self._keys
         }
-        self._record_starts = cumulative([s.records for s in parts])
-        self._values = {k: [s.columns[k].values for s in parts] for k in self._keys}
-        starts = list(self._starts.values())
-        self._shared_starts = starts[0] if all(st == starts[0] for st in starts) else None
-        self._parts = parts
+        self._record_starts = cumulative([s.records for s in views])
+        self._values = {k: [s.columns[k].values for s in views] for k in self._keys}
+        self._shared_starts = self._starts[primary_key(self._keys)]
+        self._stream_keys = {k for k, st in self._starts.items() if st == self._shared_starts}
+        self._views = views
         if self.window_size is not None:  # fixed at load: sample_window runs once per item
             self._num_samples = window_count(
                 self.token_count, self.window_size, self.stride or self.window_size
             )
 
-    def _loaded(self) -> list[StorePart]:
-        if self._parts is None:
+    def _loaded(self) -> list[ShardView]:
+        if self._views is None:
             raise RuntimeError("Store not loaded")
-        return self._parts
+        return self._views
 
     def _key(self, key: str) -> str:
         if key not in self._starts:
@@ -152,33 +153,31 @@ class Store:
         return window_bounds(i, self.window_size or 0, self.stride or 0)
 
     def fetch(self, begin: int, end: int, keys: str | list[str]) -> Any:
-        """Elements [begin, end) of each key's stream (all parts concatenated)."""
+        """Elements [begin, end) of each key's stream (all views concatenated)."""
         self._loaded()
         if isinstance(keys, str):
             return to_tensor(self._array(begin, end, self._key(keys)))
-        inside = self._one_part(begin, end)
+        inside = self._one_view(begin, end, keys)
         if inside is not None:  # the common case, kept to one slice and one copy per key
             s, lo, hi = inside
-            try:
-                return {k: torch.from_numpy(self._values[k][s][lo:hi].copy()) for k in keys}
-            except KeyError:
-                pass  # an unknown key: the path below names it
+            return {k: torch.from_numpy(self._values[k][s][lo:hi].copy()) for k in keys}
         return {k: to_tensor(self._array(begin, end, self._key(k))) for k in keys}
 
     def fetch_arrays(self, begin: int, end: int, keys: list[str]) -> dict[str, np.ndarray]:
-        """fetch as numpy arrays, without the copy: inside one part they are read-only
+        """fetch as numpy arrays, without the copy: inside one view they are read-only
         views of the maps (datasets shift and widen them in the one copy they make)."""
         self._loaded()
-        inside = self._one_part(begin, end)
+        inside = self._one_view(begin, end, keys)
         if inside is not None:
             s, lo, hi = inside
-            return {k: self._values[self._key(k)][s][lo:hi] for k in keys}
+            return {k: self._values[k][s][lo:hi] for k in keys}
         return {k: self._array(begin, end, self._key(k)) for k in keys}
 
-    def _one_part(self, begin: int, end: int) -> tuple[int, int, int] | None:
-        """(part, local begin, local end) when every key's [begin, end) lies in one part."""
+    def _one_view(self, begin: int, end: int, keys: list[str]) -> tuple[int, int, int] | None:
+        """(view, local begin, local end) when every key's [begin, end) lies in one view (keys
+        outside the primary's stream, or unknown, take the slower path, which names them)."""
         starts = self._shared_starts
-        if starts is None:
+        if not self._stream_keys.issuperset(keys):
             return None
         s = bisect_right(starts, begin) - 1
         if 0 <= begin <= end and s + 1 < len(starts) and end <= starts[s + 1]:
@@ -191,7 +190,7 @@ class Store:
             raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
         values = self._values[key]
         s = min(bisect_right(starts, begin) - 1, len(values) - 1)
-        if end <= starts[s + 1]:  # inside one part: one slice
+        if end <= starts[s + 1]:  # inside one view: one slice
             return values[s][begin - starts[s] : end - starts[s]]
         pieces, pos = [], begin
         while pos < end:
@@ -213,35 +212,35 @@ class Store:
         return out[keys] if isinstance(keys, str) else out
 
     def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
-        """Record i's arrays by offsets: the part by bisection, then its offsets."""
+        """Record i's arrays by offsets: the view by bisection, then its offsets."""
         s = bisect_right(self._record_starts, i) - 1
-        seg, local = self._loaded()[s], i - self._record_starts[s]
-        return {key: _record_value(seg, self._key(key), local) for key in keys}
+        view, local = self._loaded()[s], i - self._record_starts[s]
+        return {key: _record_value(view, self._key(key), local) for key in keys}
 
     def record_lengths(self, key: str) -> np.ndarray:
         """Elements of `key` in each record (all items of a list key), from offsets alone."""
-        parts = []
-        for seg in self._loaded():
-            col = seg.columns[self._key(key)]
+        views = []
+        for view in self._loaded():
+            col = view.columns[self._key(key)]
             if col.offsets is None:
-                raise ValueError(f"{seg.name}: key {key!r} has no record offsets")
+                raise ValueError(f"{view.name}: key {key!r} has no record offsets")
             bounds = np.asarray(
                 col.offsets if col.items is None else col.items[np.asarray(col.offsets)]
             )
-            parts.append(np.diff(bounds))
-        return np.concatenate(parts).astype(np.int64) if parts else np.empty(0, np.int64)
+            views.append(np.diff(bounds))
+        return np.concatenate(views).astype(np.int64) if views else np.empty(0, np.int64)
 
 
 def cumulative(lengths: list[int]) -> list[int]:
-    """Start of each part and the total: bisect on this finds a position's part (O(shards))."""
+    """Start of each view and the total: bisect on this finds a position's view (O(shards))."""
     return [0, *accumulate(int(n) for n in lengths)]
 
 
-def _record_value(seg: StorePart, key: str, local: int) -> Any:
-    col = seg.columns[key]
+def _record_value(view: ShardView, key: str, local: int) -> Any:
+    col = view.columns[key]
     if col.offsets is None:
         raise ValueError(
-            f"{seg.name}: key {key!r} has no record offsets, so it reads only as a stream (fetch)"
+            f"{view.name}: key {key!r} has no record offsets, so it reads only as a stream (fetch)"
         )
     a, b = int(col.offsets[local]), int(col.offsets[local + 1])
     if col.items is None:

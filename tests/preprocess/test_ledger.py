@@ -1,0 +1,130 @@
+"""The ledger: every token read is written or dropped by reason, whatever the data and config."""
+
+from __future__ import annotations
+
+import json
+
+from helpers import DATA, QWEN, TOKENIZERS
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenmill.preprocess.chunks import Chunk, process_chunk
+from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.ledger import DROP_REASONS, Ledger
+from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.packing import PACKING_STRATEGIES
+from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.records import Record
+from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.training.factory import StoreFactory
+
+BUNDLES = {f: load_tokenizer(TOKENIZERS / f) for f in ("qwen2.5", "deepseek-v3")}
+WORDS = ["alpha", "beta", "the", "quick", "fox", "δέλτα", "数据", "\n", "!", "1234"]
+text = st.lists(st.sampled_from(WORDS), max_size=40).map(" ".join)
+
+
+def chat(roles: list[str]) -> st.SearchStrategy[list[dict]]:
+    return st.tuples(*[text for _ in roles]).map(
+        lambda contents: [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+    )
+
+
+conversation = st.sampled_from(
+    [["user", "assistant"], ["system", "user", "assistant"], ["user", "assistant"] * 3,
+     ["system", "user", "assistant", "user", "assistant", "user"], ["user"]]
+).flatmap(chat)  # fmt: skip
+malformed = st.sampled_from([{}, {"text": 5}, {"messages": "hi"}, {"prompt": None}])
+RECORDS = {
+    "seq": st.builds(lambda t: {"text": t}, text),
+    "instruction": st.builds(lambda p, r: {"prompt": p, "response": r}, text, text),
+    "sft": st.builds(lambda m: {"messages": m}, conversation),
+    "dpo": st.builds(lambda a, b: {"chosen": a, "rejected": b}, conversation, conversation),
+    "grpo": st.builds(
+        lambda p, rs: {"prompt": p, "responses": rs, "rewards": [0.5] * len(rs)},
+        chat(["user"]),
+        st.lists(text, min_size=1, max_size=3),
+    ),
+}
+
+
+@st.composite
+def runs(draw):
+    train_type = draw(st.sampled_from(sorted(RECORDS)))
+    data = default_config(train_type).model_dump(mode="json")
+    pre = data["preprocessing"]
+    pre["truncation_mode"] = draw(
+        st.sampled_from(["auto", "none", "latest_turns", "cut_prompt", "keep_start", "keep_end"])
+    )
+    pre["max_seq_len"] = draw(st.sampled_from([8, 24, 64, 512]))
+    pre["min_chars"] = draw(st.sampled_from([0, 1, 30]))
+    pre["max_chars"] = draw(st.sampled_from([60, 400, 100_000]))
+    if train_type in ("seq", "instruction", "sft"):
+        pre["packing_strategy"] = draw(st.sampled_from(["none", *PACKING_STRATEGIES]))
+        pre["max_packed_len"] = draw(st.sampled_from([16, 48, 2048]))
+    records = draw(st.lists(st.one_of(RECORDS[train_type], malformed), min_size=1, max_size=12))
+    return PipelineConfig.from_dict(data), draw(st.sampled_from(sorted(BUNDLES))), records
+
+
+def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) -> int:
+    """The oracle for tokens read: every record rendered whole (no cut, no filter, every role
+    trained so nothing is dropped for training nothing), malformed ones counting 0."""
+    data = config.model_dump(mode="json")
+    data["preprocessing"].update(
+        truncation_mode="none", min_chars=0, max_chars=10**9, packing_strategy="none"
+    )
+    data["mask"], data["mask_default"] = {"system": "train", "user": "train"}, "train"
+    whole = RecordMasker(PipelineConfig.from_dict(data), BUNDLES[family])
+    total = 0
+    for record in records:
+        try:
+            out = whole.process(record)
+        except ValueError:
+            continue
+        for key in whole.token_keys():
+            value = out[key]
+            total += sum(len(v) for v in value) if isinstance(value, list) else len(value)
+    return total
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(runs())
+def test_every_token_read_is_written_or_dropped_by_reason(run):
+    config, family, records = run
+    masker = RecordMasker(config, BUNDLES[family])
+    chunk = Chunk(0, [Record("in.jsonl", i + 1, r) for i, r in enumerate(records)])
+    result = process_chunk(chunk, masker)
+    total = Ledger()
+    for ledger in result.ledgers.values():
+        assert ledger.unbalanced() == []
+        total.add(ledger)
+    assert total.unbalanced() == []
+    assert total.records_read == len(records) and total.records_written == result.records_written
+    assert total.tokens_read == tokens_rendered(config, family, records)
+    assert total.tokens_written == result.tokens  # the rows hold exactly the written tokens
+    assert set(total.dropped) <= set(DROP_REASONS)
+    dropped_records = sum(
+        e["records"] for r, e in total.dropped.items() if r not in ("truncated", "packing_overflow")
+    )
+    assert dropped_records == len(result.errors)
+    if config.preprocessing.truncation_mode == "none" and "packing_overflow" not in total.dropped:
+        assert "truncated" not in total.dropped
+
+
+def test_pretraining_keeps_every_token_of_the_shipped_shakespeare(tmp_path):
+    """The default seq config: nothing cut, documents in order with EOS between them, so the
+    stored stream is the tokenizer's own encoding of each text, end to end."""
+    summary = Pipeline(
+        default_config("seq"), [DATA / "pretrain_shakespeare.jsonl"], tmp_path, QWEN, workers=1
+    ).run()
+    bundle = load_tokenizer(QWEN)
+    expected: list[int] = []
+    with open(DATA / "pretrain_shakespeare.jsonl", encoding="utf-8") as f:
+        for line in f:
+            expected += bundle.tokenizer.encode(json.loads(line)["text"]).ids + [bundle.eos_id]
+    store = StoreFactory.create("bin").load(tmp_path)
+    assert store.fetch(0, store.token_count, "sequence").tolist() == expected
+    assert summary.tokens_read == summary.tokens == len(expected) > 50_000
+    assert summary.dropped_tokens == 0 and summary.dropped == {}
+    assert summary.ledger().unbalanced() == []
+    rows = store.record_lengths("sequence")
+    assert (rows[:-1] == default_config("seq").preprocessing.max_packed_len).all()
