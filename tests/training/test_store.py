@@ -517,7 +517,7 @@ def test_jsonl_lazy_dpo_processor_with_real_tokenizer(tmp_path):
         want = process(json.loads(line))
         got = store.fetch_record(i, list(want))
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}
-    with pytest.raises(ValueError, match=f"^{path}:4: chosen: "):
+    with pytest.raises(ValueError, match=f"^{path}:4: prompt: empty conversation"):
         store.fetch_record(3, "chosen")
 
 

@@ -86,9 +86,14 @@ def _template_messages(messages: list[dict]) -> list[dict]:
 
 
 def render_text(
-    bundle: TokenizerBundle, messages: list[dict], add_generation_prompt: bool = False
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
+    **template_kwargs: Any,
 ) -> str:
-    """The conversation exactly as the tokenizer's own chat template renders it."""
+    """The conversation exactly as the tokenizer's own chat template renders it, with the
+    tool schemas and keyword arguments (`enable_thinking`, ...) transformers would pass."""
     if bundle.chat_template is None:
         raise ValueError(
             f"{bundle.path}: no chat template (tokenizer_config.json 'chat_template' "
@@ -97,9 +102,12 @@ def render_text(
     if not messages:
         raise ValueError("messages: a conversation needs at least one message")
     return _compile(bundle.chat_template).render(
-        messages=_template_messages(messages),
-        tools=None,
-        documents=None,
-        add_generation_prompt=add_generation_prompt,
-        **dict(bundle.special_tokens),
+        **{
+            **dict(bundle.special_tokens),
+            **template_kwargs,
+            "messages": _template_messages(messages),
+            "tools": tools or None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
     )

@@ -63,6 +63,17 @@ class Section(_Strict):
     eos: bool = Field(
         False, description="append the tokenizer's EOS token, with the section's action"
     )
+    optional: bool = Field(
+        False, description="a record without this field (or with null) skips the section"
+    )
+    tools_field: str | None = Field(
+        "tools",
+        description="record field with the tool schemas a chat template renders (absent: none)",
+    )
+    template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="keyword arguments for the chat template, e.g. {enable_thinking: false}",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Section:
@@ -279,6 +290,7 @@ def default_config(train_type: str) -> PipelineConfig:
 
 
 _CHAT = {"field": "messages", "template": True, "action": "$role"}
+_PROMPT = {"field": "prompt", "template": True, "action": "mask", "optional": True}
 
 
 DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
@@ -298,13 +310,18 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         },
         "preprocessing": {"min_chars": 1, "max_packed_len": 2048},
     },
+    # TRL's conversational preference data, explicit prompt or not: the prompt (when given)
+    # and each reply are one conversation; a reply that repeats the prompt is not doubled
     "dpo": {
         "input": {
             "sources": {
-                "chosen": {"sections": [{"field": "chosen", "template": True, "action": "$role"}]},
-                "rejected": {
-                    "sections": [{"field": "rejected", "template": True, "action": "$role"}]
-                },
+                side: {
+                    "sections": [
+                        dict(_PROMPT),
+                        {"field": side, "template": True, "action": "$role"},
+                    ]
+                }
+                for side in ("chosen", "rejected")
             }
         },
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},

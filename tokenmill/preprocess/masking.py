@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 import numpy as np
+import orjson
 
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.fields import check_messages, get_field
@@ -239,12 +240,44 @@ class RecordMasker:
         return out
 
     def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
-        return [
-            self._one(
-                record, section, section.field, get_field(record, section.field), i == 0, tally
+        """Each section rendered; chat sections that follow one another are one conversation
+        (a TRL prompt and its reply), rendered once."""
+        parts: list[Part] = []
+        for section in sections:
+            data = record.data
+            if section.optional and (section.field not in data or data[section.field] is None):
+                continue
+            value = get_field(record, section.field)
+            if section.template and parts and parts[-1].messages is not None:
+                parts[-1] = self._continue_chat(record, parts[-1], section, value, tally)
+            else:
+                parts.append(self._one(record, section, section.field, value, not parts, tally))
+        if not parts:
+            raise RecordError(
+                record.source, record.line, sections[0].field, "missing field", "missing_field"
             )
-            for i, section in enumerate(sections)
-        ]
+        return parts
+
+    def _continue_chat(
+        self, record: Record, part: Part, section: Section, value: Any, tally: Tally
+    ) -> Part:
+        """The conversation of `part` continued by this chat section's messages. Messages
+        that repeat the conversation so far (a reply given with its prompt) are not doubled."""
+        messages = check_messages(record, section.field, value, self.roles)
+        actions = self._actions(section, messages)
+        before = part.messages or []
+        if messages[: len(before)] == before:
+            messages, actions = messages[len(before) :], actions[len(before) :]
+        tally.chars += sum(len(m["content"] or "") for m in messages)
+        messages, actions = before + messages, (part.actions or []) + actions
+        ids, mask = self._render(record, section, part.field, messages, actions, part.first)
+        tally.tokens += len(ids) - len(part.ids)
+        return Part(section, part.field, part.first, ids, mask, messages, actions)
+
+    def _actions(self, section: Section, messages: list[dict]) -> list[bool]:
+        if section.action == "$role":
+            return [self.config.role_trains(m["role"]) for m in messages]
+        return [section.action == "train"] * len(messages)
 
     def _one(
         self,
@@ -258,11 +291,8 @@ class RecordMasker:
         """Tokens and mask of one section value (a chat or a text)."""
         if section.template:
             messages = check_messages(record, field, value, self.roles)
-            if section.action == "$role":
-                actions = [self.config.role_trains(m["role"]) for m in messages]
-            else:
-                actions = [section.action == "train"] * len(messages)
-            tally.chars += sum(len(m["content"]) for m in messages)
+            actions = self._actions(section, messages)
+            tally.chars += sum(len(m["content"] or "") for m in messages)
             ids, mask = self._render(record, section, field, messages, actions, first)
             tally.tokens += len(ids)
             return Part(section, field, first, ids, mask, messages, actions)
@@ -301,10 +331,17 @@ class RecordMasker:
         actions: list[bool],
         first: bool,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """A chat section's tokens and mask, its EOS included (one rendering of the messages)."""
+        """A chat section's tokens and mask, its EOS included (one rendering of the messages,
+        with the record's tool schemas and the section's template keyword arguments)."""
+        tools = self._tools(record, section)
         try:
             ids, mask = render_conversation(
-                self.bundle, messages, actions, add_generation_prompt=section.generation_prompt
+                self.bundle,
+                messages,
+                actions,
+                add_generation_prompt=section.generation_prompt,
+                tools=tools,
+                template_kwargs=section.template_kwargs,
             )
         except (
             ValueError,
@@ -328,6 +365,33 @@ class RecordMasker:
         if section.eos:
             ids, mask = self._eos(section, ids, mask)
         return ids, mask
+
+    def _tools(self, record: Record, section: Section) -> list[dict] | None:
+        """The record's tool schemas (a list of objects), if its `tools_field` holds any."""
+        data = record.data
+        if section.tools_field is None or data.get(section.tools_field) is None:
+            return None
+        tools = data[section.tools_field]
+        if isinstance(tools, str):  # as LLaMA-Factory's ShareGPT data keeps them: JSON text
+            try:
+                tools = orjson.loads(tools)
+            except orjson.JSONDecodeError as err:
+                raise RecordError(
+                    record.source,
+                    record.line,
+                    section.tools_field,
+                    f"not valid JSON: {err}",
+                    "bad_value",
+                ) from None
+        if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise RecordError(
+                record.source,
+                record.line,
+                section.tools_field,
+                f"expected a list of tool schemas (objects), got {type(tools).__name__}",
+                "wrong_type",
+            )
+        return tools
 
     def _eos(
         self, section: Section, ids: np.ndarray, mask: np.ndarray

@@ -7,15 +7,20 @@ each token takes the action of the span holding its first character. masking.py 
 
 from __future__ import annotations
 
+import os
 import re
-from functools import cache
+from collections.abc import Callable
+from functools import cache, partial
 from itertools import chain, pairwise
+from typing import Any
 
 import numpy as np
 import tokenizers
 
 from tokenmill.preprocess.chat_template import render_text
 from tokenmill.preprocess.tokenizer import TokenizerBundle
+
+Render = Callable[[list[dict], bool], str]  # messages, add_generation_prompt -> rendered text
 
 # Stands in for an empty content so its place in the rendering can be found.
 _EMPTY_MARK = "\ue000{}\ue001"
@@ -26,19 +31,23 @@ def render_conversation(
     messages: list[dict],
     actions: list[bool],
     add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ids (int32) of the full rendering and its loss mask (True = trained).
 
     Message k's span runs from its header to the next message's header; each token takes
     `actions[k]` of the span holding its first character. BOS and the generation prompt
-    are never trained.
+    are never trained. `tools` and `template_kwargs` (`enable_thinking`, ...) reach the
+    template as transformers' `apply_chat_template` passes them.
     """
     if len(actions) != len(messages):
         raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
-    text = render_text(bundle, messages, add_generation_prompt)
+    render: Render = partial(render_text, bundle, tools=tools, **(template_kwargs or {}))
+    text = render(messages, add_generation_prompt)
     prompt_start = len(text)  # where the generation prompt begins
     if add_generation_prompt:
-        closed = render_text(bundle, messages, False)
+        closed = render(messages, False)
         if text.startswith(closed):
             prompt_start = len(closed)
     encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
@@ -51,16 +60,28 @@ def render_conversation(
     table = _added_table(bundle.tokenizer)
     is_control = table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
     control = (first_char[is_control], offsets[is_control, 1])
-    glue = _marker_glue(bundle, messages, add_generation_prompt)
-    located = _locate_by_glue(text, messages, glue) if glue else None
-    if located is None:  # the template shapes its text around the content: search for it instead
-        found = _locate_contents(text, messages, prompt_start, control)
-        located = _place_empty_contents(bundle, messages, text, found, add_generation_prompt)
-    tails = _role_tails(bundle, messages, actions, glue) if glue else None
-    span_starts = _span_starts(text, located, prompt_start, first_char, tails)
-    span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
-    if span_starts[0] == 0 and glue:
-        span_starts[0] = _probe_first_header(bundle, messages, glue, text, prompt_start, first_char)
+    glue = _marker_glue(render, messages, add_generation_prompt)
+    tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+    try:
+        located = _locate_by_glue(text, messages, glue) if glue else None
+        if located is None:  # the template shapes its text around the content: search for it
+            found = _locate_contents(text, messages, prompt_start, control)
+            located = _place_empty_contents(render, messages, text, found, add_generation_prompt)
+        tails = _role_tails(render, messages, actions, glue) if glue else None
+        span_starts = _span_starts(text, located, prompt_start, first_char, tails)
+        span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
+        if span_starts[0] == 0 and glue:
+            span_starts[0] = _probe_first_header(
+                render, messages, glue, text, prompt_start, first_char
+            )
+    except ValueError:
+        if not tooling:
+            raise
+        span_starts = [0] * len(messages)  # message 0 then owns the preamble: never trained
+    if tooling:  # tool calls and results: each message's span is what it adds to the rendering
+        span_starts[1:] = _prefix_starts(
+            render, messages, text, span_starts[0], first_char, offsets[:, 1], is_control
+        )
     starts = np.asarray([0, *span_starts])  # span 0: the template's preamble, never trained
     owner = np.searchsorted(starts, first_char, side="right") - 1
     mask = np.asarray([False, *actions], dtype=bool)[owner] & (first_char < prompt_start)
@@ -70,6 +91,64 @@ def render_conversation(
             mask = np.concatenate([[False], mask])
         mask[0] = False
     return ids, mask
+
+
+def _prefix_starts(
+    render: Render,
+    messages: list[dict],
+    text: str,
+    first: int,
+    token_starts: np.ndarray,
+    token_ends: np.ndarray,
+    control: np.ndarray,
+) -> list[int]:
+    """Where messages 1..n-1 start: where the rendering of the messages before each one stops
+    agreeing with the full rendering. So a tool call stays in its assistant turn and a tool
+    result's closing markup (`</tool_response><|im_end|>`, DeepSeek's
+    `<｜tool▁outputs▁end｜>`) in the tool turn, even when the template groups several
+    results into one block and closes it only after the last.
+
+    The messages before k are rendered followed by a user and by an assistant message (so
+    message k-1 is not the last one: templates render a last turn differently); the two
+    renderings part where message k's header would start."""
+    starts, previous = [], first
+    for k in range(1, len(messages)):
+        mark = _CONTENT_MARK.format(k)
+        try:
+            a = render([*messages[:k], {"role": "user", "content": mark}], False)
+            b = render([*messages[:k], {"role": "assistant", "content": mark}], False)
+        except Exception:  # a template refusing that shape: the plain prefix instead
+            a = b = render(messages[:k], False)
+        at = len(os.path.commonprefix([a, b]))
+        token = int(np.searchsorted(token_starts, at, side="right")) - 1
+        if token >= 0 and token_starts[token] < at < token_ends[token]:
+            at = int(token_starts[token])  # inside a header token (`<｜User｜>`): its start
+        else:
+            before = token if token >= 0 and token_ends[token] == at else token - 1
+            if before >= 0 and token_ends[before] == at and control[before]:
+                at = int(token_starts[before])  # after a header's opening (`<|im_start|>`)
+        agree = min(len(os.path.commonprefix([a, text])), len(os.path.commonprefix([b, text])))
+        previous = max(previous, min(at, agree))
+        if messages[k - 1].get("role") == "tool":  # DeepSeek closes the results in the next turn
+            previous = _past_tool_markup(text, previous, token_starts, token_ends, control)
+        starts.append(previous)
+    return starts
+
+
+def _past_tool_markup(
+    text: str, at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np.ndarray
+) -> int:
+    """`at` moved past the control tokens of tool markup that open the turn after a tool
+    result (`<｜tool▁outputs▁end｜>`): they close the result, so they are masked with it."""
+    token = int(np.searchsorted(token_starts, at, side="left"))
+    while (
+        token < len(token_starts)
+        and control[token]
+        and "tool" in text[token_starts[token] : token_ends[token]].lower()
+    ):
+        at = int(token_ends[token])
+        token += 1
+    return at
 
 
 def _visible_forms(content: str) -> list[str]:
@@ -122,7 +201,7 @@ def _search_contents(
     located: list[tuple[int, int] | None] = []
     cursor = 0
     for k, message in enumerate(messages):
-        content = message.get("content")
+        content = message.get("content") or ""  # None: a tool call with no text
         if not isinstance(content, str):
             raise ValueError(
                 f"messages[{k}] (role {message.get('role')!r}): content must be a string, "
@@ -176,7 +255,7 @@ def _find(
 
 
 def _place_empty_contents(
-    bundle: TokenizerBundle,
+    render: Render,
     messages: list[dict],
     text: str,
     found: list[tuple[int, int] | None],
@@ -189,7 +268,7 @@ def _place_empty_contents(
     its stead; failing that, it is the end of the previous content.
     """
     pending = [k for k, hit in enumerate(found) if hit is None]
-    marked = _marker_places(bundle, messages, text, pending, add_generation_prompt)
+    marked = _marker_places(render, messages, text, pending, add_generation_prompt)
     placed: list[tuple[int, int]] = []
     for k, hit in enumerate(found):
         if hit is None:
@@ -202,7 +281,7 @@ def _place_empty_contents(
 
 
 def _marker_places(
-    bundle: TokenizerBundle,
+    render: Render,
     messages: list[dict],
     text: str,
     pending: list[int],
@@ -217,7 +296,7 @@ def _marker_places(
         return {}
     marks = {k: _EMPTY_MARK.format(k) for k in pending}
     marked = [{**m, "content": marks[k]} if k in marks else m for k, m in enumerate(messages)]
-    probe = render_text(bundle, marked, add_generation_prompt)
+    probe = render(marked, add_generation_prompt)
     places: dict[int, int] = {}
     parts, pos = [], 0
     for k in pending:
@@ -283,7 +362,7 @@ _CONTENT_MARK = "\ue000{}\ue001"  # private-use characters: never template text
 
 
 def _marker_glue(
-    bundle: TokenizerBundle, messages: list[dict], add_generation_prompt: bool
+    render: Render, messages: list[dict], add_generation_prompt: bool
 ) -> list[str] | None:
     """The template's own text around the contents: rendered once with a marker for each content.
 
@@ -292,8 +371,7 @@ def _marker_glue(
     """
     marks = [_CONTENT_MARK.format(k) for k in range(len(messages))]
     try:
-        probe = render_text(
-            bundle,
+        probe = render(
             [{**m, "content": marks[k]} for k, m in enumerate(messages)],
             add_generation_prompt,
         )
@@ -330,7 +408,7 @@ def _locate_by_glue(
 
 
 def _probe_first_header(
-    bundle: TokenizerBundle,
+    render: Render,
     messages: list[dict],
     glue: list[str],
     text: str,
@@ -342,9 +420,7 @@ def _probe_first_header(
     marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
     doubled = [messages[0], *messages]
     try:
-        probe = render_text(
-            bundle, [{**m, "content": marks[k]} for k, m in enumerate(doubled)], False
-        )
+        probe = render([{**m, "content": marks[k]} for k, m in enumerate(doubled)], False)
     except Exception:
         return 0
     pieces = re.split("(\ue000\\d+\ue001)", probe)
@@ -363,7 +439,7 @@ def _probe_first_header(
 
 
 def _role_tails(
-    bundle: TokenizerBundle, messages: list[dict], actions: list[bool], glue: list[str]
+    render: Render, messages: list[dict], actions: list[bool], glue: list[str]
 ) -> list[str] | None:
     """The end-of-turn text of each message's role, where it differs from the last message's.
 
@@ -380,8 +456,8 @@ def _role_tails(
         marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
         probe_messages = [*messages, {"role": role, "content": ""}]
         try:
-            probe = render_text(
-                bundle, [{**m, "content": marks[k]} for k, m in enumerate(probe_messages)], False
+            probe = render(
+                [{**m, "content": marks[k]} for k, m in enumerate(probe_messages)], False
             )
         except Exception:  # the template refuses that shape: keep the last message's tail
             continue

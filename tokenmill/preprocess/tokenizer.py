@@ -35,6 +35,8 @@ class TokenizerBundle:
     path: str
     # (name, text) of every named special token the config sets; the template sees these.
     special_tokens: tuple[tuple[str, str], ...] = ()
+    # tokenizer_config.json's add_bos_token: plain text gets a BOS only when this is set
+    add_bos_token: bool = False
 
 
 def load_tokenizer(path: str | Path) -> TokenizerBundle:
@@ -70,8 +72,11 @@ def _load_folder(folder: str) -> TokenizerBundle:
         for name in ("bos_token", "eos_token", "pad_token")
         if name in special
     }
+    add_bos = config.get("add_bos_token") is True
     digest = hashlib.sha256(raw)
     digest.update((template or "").encode("utf-8"))
+    if add_bos:
+        digest.update(b"\0add_bos_token")
     return TokenizerBundle(
         tokenizer=tokenizer,
         chat_template=template,
@@ -83,6 +88,7 @@ def _load_folder(folder: str) -> TokenizerBundle:
         fingerprint=digest.hexdigest(),
         path=folder,
         special_tokens=tuple(special.items()),
+        add_bos_token=add_bos,
     )
 
 
@@ -118,8 +124,12 @@ def _chat_template(config: dict[str, Any], config_file: Path) -> str | None:
 
 
 def encode_text(bundle: TokenizerBundle, text: str, add_special_tokens: bool) -> np.ndarray:
-    """Token ids of plain text; with special tokens, exactly one leading BOS (if any)."""
-    ids = bundle.tokenizer.encode(text, add_special_tokens=False).ids
-    if add_special_tokens and bundle.bos_id is not None and ids[:1] != [bundle.bos_id]:
-        ids = [bundle.bos_id, *ids]
+    """Token ids of plain text, with special tokens as the tokenizer's own `encode` puts them:
+    its tokenizer.json post-processor, and one leading BOS only where tokenizer_config.json
+    sets `add_bos_token` (as transformers does). A GPT-2-style folder that names a BOS token
+    but does not add it gets none."""
+    ids = bundle.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    if add_special_tokens and bundle.add_bos_token and bundle.bos_id is not None:
+        if ids[:1] != [bundle.bos_id]:
+            ids = [bundle.bos_id, *ids]
     return np.asarray(ids, dtype=np.int32)

@@ -1,0 +1,167 @@
+"""The formats users have, rendered exactly: ShareGPT and OpenAI tool calls, TRL preference
+data, template keyword arguments. Oracle: transformers' apply_chat_template with the same
+messages, tools and keyword arguments; masks train the assistant's turns (tool calls
+included) and never a tool result or its closing markup."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from helpers import DATA, TOKENIZERS
+
+from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.fields import check_messages
+from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.records import Record, RecordError
+from tokenmill.preprocess.tokenizer import load_tokenizer
+
+FAMILIES = ["qwen2.5", "qwen3", "deepseek-v3"]
+
+
+@pytest.fixture(scope="module")
+def oracles():
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import transformers
+
+    return {f: transformers.AutoTokenizer.from_pretrained(str(TOKENIZERS / f)) for f in FAMILIES}
+
+
+def oracle_ids(oracle, messages, **kwargs) -> list[int]:
+    out = oracle.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def chat_config(field: str = "messages", **section) -> PipelineConfig:
+    data = default_config("sft").model_dump(mode="json")
+    data["input"]["sections"][0].update(field=field, **section)
+    data["preprocessing"].update(max_seq_len=100_000, min_chars=0)
+    return PipelineConfig.from_dict(data)
+
+
+def trained_runs(bundle, ids: np.ndarray, mask: np.ndarray) -> list[str]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [
+        bundle.tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
+        for a, b in edges.reshape(-1, 2)
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+def test_sharegpt_tool_calls_match_transformers_and_train_only_the_assistant(family, oracles):
+    """LLaMA-Factory's ShareGPT tool data (function_call / observation, tools as JSON text)."""
+    bundle = load_tokenizer(TOKENIZERS / family)
+    masker = RecordMasker(chat_config("conversations"), bundle)
+    records = json.loads((DATA / "toolcall_glaive_zh_300.json").read_text())[:40]
+    calls = 0
+    for n, data in enumerate(records):
+        record = Record("toolcall_glaive_zh_300.json", n + 1, data)
+        out = masker.process(record)
+        messages = check_messages(record, "conversations", data["conversations"], None)
+        tools = json.loads(data["tools"]) if data.get("tools") else None
+        assert out["sequence"].tolist() == oracle_ids(oracles[family], messages, tools=tools), n
+        for run in trained_runs(bundle, out["sequence"], out["loss_mask"]):
+            assert run.startswith("<|im_start|>assistant\n") and run.endswith("<|im_end|>\n"), run
+            assert "tool_response" not in run
+            calls += "<tool_call>" in run
+    assert calls >= 10
+
+
+def openai_record(family: str) -> dict:
+    """An OpenAI-style chat: text parts, a null content beside two tool calls, two results."""
+    args = '{"city": "Paris"}'
+    return {
+        "messages": [
+            {"role": "system", "content": "You answer with tools."},
+            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris "}, {"type": "text", "text": "and Rome?"}]},
+            # DeepSeek-V3's template reads a tool call's content, so there it is "" (not null)
+            {"role": "assistant", "content": "" if family == "deepseek-v3" else None, "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": args}},
+                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+            ]},
+            {"role": "tool", "content": "22 C, sunny", "name": "get_weather"},
+            {"role": "tool", "content": "25 C, clear", "name": "get_weather"},
+            {"role": "assistant", "content": "Paris: 22 C and sunny. Rome: 25 C and clear."},
+        ],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_openai_tool_calls_and_results_are_exact_and_results_stay_masked(family, oracles):
+    bundle = load_tokenizer(TOKENIZERS / family)
+    data = openai_record(family)
+    record = Record("chat.jsonl", 1, data)
+    out = RecordMasker(chat_config(), bundle).process(record)
+    messages = check_messages(record, "messages", data["messages"], None)
+    assert messages[1]["content"] == "Weather in Paris and Rome?"  # text parts joined
+    want = oracle_ids(oracles[family], messages, tools=data["tools"])
+    assert out["sequence"].tolist() == want
+    trained = "".join(trained_runs(bundle, out["sequence"], out["loss_mask"]))
+    masked = bundle.tokenizer.decode(
+        out["sequence"][~out["loss_mask"]].tolist(), skip_special_tokens=False
+    )
+    assert "Paris: 22 C and sunny." in trained and "Rome" in trained  # the calls and the answer
+    assert "22 C, sunny" in masked and "22 C, sunny" not in trained
+    closing = {"deepseek-v3": "<｜tool▁outputs▁end｜>"}.get(family, "</tool_response><|im_end|>")
+    assert closing in masked and closing not in trained
+
+
+def test_trl_preference_formats_render_the_prompt_and_each_reply_as_one_conversation(oracles):
+    """Explicit prompt (TRL), implicit prompt, and a reply that repeats its prompt: the same
+    conversation, the prompt byte-identical between chosen and rejected, only the reply trained."""
+    bundle, oracle = load_tokenizer(TOKENIZERS / "qwen2.5"), oracles["qwen2.5"]
+    masker = RecordMasker(default_config("dpo"), bundle)
+    prompt = [{"role": "user", "content": "Name a prime number."}]
+    chosen, rejected = (
+        [{"role": "assistant", "content": "7"}],
+        [{"role": "assistant", "content": "8"}],
+    )
+    forms = [
+        {"prompt": prompt, "chosen": chosen, "rejected": rejected},
+        {"chosen": prompt + chosen, "rejected": prompt + rejected},
+        {"prompt": prompt, "chosen": prompt + chosen, "rejected": prompt + rejected},
+    ]
+    outs = [masker.process(form) for form in forms]
+    want = oracle_ids(oracle, prompt + chosen)
+    assert want.count(bundle.tokenizer.token_to_id("<|im_start|>")) == 3  # one system prompt
+    for out in outs:
+        assert out["chosen"].tolist() == want
+        assert out["rejected"].tolist() == oracle_ids(oracle, prompt + rejected)
+        shared = len(oracle_ids(oracle, prompt, add_generation_prompt=True))
+        assert out["chosen"][:shared].tolist() == out["rejected"][:shared].tolist()
+        assert trained_runs(bundle, out["chosen"], out["chosen_mask"]) == [
+            "<|im_start|>assistant\n7<|im_end|>\n"
+        ]
+
+
+def test_template_keyword_arguments_reach_the_template(oracles):
+    bundle = load_tokenizer(TOKENIZERS / "qwen3")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    for kwargs in ({"enable_thinking": False}, {}):
+        out = RecordMasker(chat_config(template_kwargs=kwargs), bundle).process(
+            {"messages": messages}
+        )
+        assert out["sequence"].tolist() == oracle_ids(oracles["qwen3"], messages, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "data, where",
+    [
+        ({"messages": [{"from": "robot", "value": "x"}]}, "messages[0].from: expected one of"),
+        ({"messages": [{"from": "human"}]}, "messages[0].value: missing field"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": "f()"}]}, "messages[0].tool_calls: expected a list"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]: expected a text part"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": "{not json"}, "tools: not valid JSON"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [1]}, "tools: expected a list of tool schemas"),
+        ({"messages": [{"from": "function_call", "value": "[]"}]}, "messages[0].value: expected a function call"),
+    ],
+)  # fmt: skip
+def test_a_bad_record_in_any_format_names_file_line_and_field(data, where):
+    masker = RecordMasker(chat_config(), load_tokenizer(TOKENIZERS / "qwen2.5"))
+    with pytest.raises(RecordError, match="^" + re.escape(f"in.jsonl:7: {where}")):
+        masker.process(Record("in.jsonl", 7, data))
