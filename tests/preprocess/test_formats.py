@@ -165,3 +165,76 @@ def test_a_bad_record_in_any_format_names_file_line_and_field(data, where):
     masker = RecordMasker(chat_config(), load_tokenizer(TOKENIZERS / "qwen2.5"))
     with pytest.raises(RecordError, match="^" + re.escape(f"in.jsonl:7: {where}")):
         masker.process(Record("in.jsonl", 7, data))
+
+
+def test_trl_standard_preference_formats_tokenize_as_trl_does():
+    """Text preference data: the prompt (explicit, or the shared start of the replies) masked,
+    each reply trained and closed with EOS; a BOS where the tokenizer adds one."""
+    for family in ("qwen2.5", "deepseek-v3"):
+        bundle = load_tokenizer(TOKENIZERS / family)
+        masker = RecordMasker(default_config("dpo"), bundle)
+        explicit = masker.process(
+            {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+        )
+        implicit = masker.process({"chosen": "The sky is blue.", "rejected": "The sky is green."})
+        for out in (explicit, implicit):
+            for side, reply in (("chosen", " blue."), ("rejected", " green.")):
+                ids, mask = out[side], out[f"{side}_mask"]
+                assert bundle.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False) == (
+                    reply + bundle.tokenizer.id_to_token(bundle.eos_id)
+                )
+                assert (
+                    bundle.tokenizer.decode(ids[~mask].tolist(), skip_special_tokens=True)
+                    == "The sky is"
+                )
+            assert (out["chosen"][0] == bundle.bos_id) == bundle.add_bos_token
+
+
+def test_an_implicit_conversational_prompt_trains_only_the_final_reply(oracles):
+    bundle, oracle = load_tokenizer(TOKENIZERS / "qwen2.5"), oracles["qwen2.5"]
+    shared = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name a prime."},
+    ]
+    record = {"chosen": shared + [{"role": "assistant", "content": "7"}],
+              "rejected": shared + [{"role": "assistant", "content": "8"}]}  # fmt: skip
+    out = RecordMasker(default_config("dpo"), bundle).process(record)
+    assert out["chosen"].tolist() == oracle_ids(oracle, record["chosen"])
+    assert trained_runs(bundle, out["chosen"], out["chosen_mask"]) == [
+        "<|im_start|>assistant\n7<|im_end|>\n"
+    ]
+
+
+def test_grpo_prompt_only_data_gives_prompts_for_online_generation(tmp_path, oracles):
+    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.training.datasets import DatasetFactory
+
+    prompts = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    qwen = TOKENIZERS / "qwen2.5"
+    summary = Pipeline(
+        default_config("grpo"), [tmp_path / "in.jsonl"], tmp_path / "out", qwen, workers=1
+    ).run()
+    assert summary.records_written == 5 and summary.ledger().unbalanced() == []
+    ds = DatasetFactory.load("grpo", tmp_path / "out", window_size=2048)
+    for i, prompt in enumerate(prompts):
+        item = ds[i]
+        assert list(item) == ["prompts"]
+        want = oracle_ids(oracles["qwen2.5"], prompt, add_generation_prompt=True)
+        assert item["prompts"].tolist() == want
+
+
+def test_the_lazy_dpo_route_keeps_the_explicit_prompt(tmp_path, oracles):
+    from tokenmill.training.datasets import DatasetFactory
+
+    prompt = [{"role": "user", "content": "Name a prime number."}]
+    record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "7"}],
+              "rejected": [{"role": "assistant", "content": "8"}]}  # fmt: skip
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(record) + "\n")
+    ds = DatasetFactory.load(
+        "dpo", tmp_path / "pairs.jsonl", window_size=2048, tokenizer_path=TOKENIZERS / "qwen2.5"
+    )
+    assert type(ds.store).__name__ == "JsonlStore" and ds.store.lazy
+    want = oracle_ids(oracles["qwen2.5"], prompt + record["chosen"])
+    assert ds[0]["chosen"].tolist() == want

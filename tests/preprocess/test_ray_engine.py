@@ -192,8 +192,9 @@ def test_a_killed_shard_write_is_retried_and_leaves_no_orphan(tmp_path, ray_addr
 
 
 def test_driver_killed_then_resumed(tmp_path, ray_address):
-    src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 200)
-    cfg = config("sft", batch_size=8, shard_tokens=20_000)
+    # enough work that the run is still going when its first shard is published
+    src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 600)
+    cfg = config("sft", batch_size=8, shard_tokens=10_000)
     cfg_path = tmp_path / "sft.json"
     cfg_path.write_text(cfg.model_dump_json())
     out = tmp_path / "out"
@@ -222,6 +223,7 @@ def test_driver_killed_then_resumed(tmp_path, ray_address):
     deadline = time.time() + 120
     while not (out / "shard_00000").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert read_manifest(out) is None and (out / "shard_00000").exists()

@@ -377,3 +377,41 @@ def test_a_row_longer_than_the_sample_is_refused_by_name(chats):
         DatasetFactory.load("sft", out, window_size=2048, sample="turn")
     with pytest.raises(ValueError, match="sample= is for sft data"):
         DatasetFactory.load("seq", out, window_size=64, sample="row")
+
+
+def test_record_samples_join_the_pieces_of_a_document_packed_across_rows(tmp_path):
+    """`stream` packing cuts conversations at row ends: record samples put each one back
+    together from the stored boundaries; row samples, which would start mid-conversation,
+    are refused by name."""
+    from tokenmill.preprocess.pipeline import Pipeline
+
+    with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
+        (tmp_path / "in.jsonl").write_text("".join(next(f) for _ in range(20)))
+    config = default_config("sft").model_dump(mode="json")
+    config["preprocessing"].update(packing_strategy="stream", max_packed_len=300)
+    summary = Pipeline(
+        PipelineConfig.from_dict(config), [tmp_path / "in.jsonl"], tmp_path / "out", TOKENIZER,
+        workers=1,
+    ).run()  # fmt: skip
+    records = DatasetFactory.load("sft", tmp_path / "out", window_size=2048, sample="record")
+    assert len(records) == summary.records_written
+    assert all(records[i]["input_ids"][0] == IM_START for i in range(len(records)))
+    assert sum(records.sample_length(i) + 1 for i in range(len(records))) == summary.tokens
+    with pytest.raises(ValueError, match="rows start inside a document"):
+        DatasetFactory.load("sft", tmp_path / "out", window_size=2048)
+
+
+def test_truncating_a_row_sample_cuts_its_boundaries_too(chats):
+    from tokenmill.dataflow import PackedCollator, TruncateProcessor
+
+    out, _ = chats
+    rows = DatasetFactory.load("sft", out, window_size=2048)
+    index = next(i for i in range(len(rows)) if len(rows[i]["doc_lengths"]) > 1)
+    item = rows[index]
+    first = int(item["doc_lengths"][0])
+    cut = TruncateProcessor(first + 3).process(item)
+    assert cut["doc_lengths"].tolist() == [first, 3]
+    assert PackedCollator().collate([cut])["cu_seqlens"].tolist() == [0, first, first + 3]
+    bad = {**item, "input_ids": item["input_ids"][:5], "target_ids": item["target_ids"][:5]}
+    with pytest.raises(ValueError, match="doc_lengths sum to"):
+        PackedCollator().collate([bad])

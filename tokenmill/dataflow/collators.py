@@ -208,7 +208,13 @@ class PackedCollator(BatchCollator):
         for s in samples:
             starts.append(offset)
             if "doc_lengths" in s:  # stored boundaries: nothing to infer
-                inner = torch.cumsum(torch.as_tensor(s["doc_lengths"]), 0)[:-1]
+                lengths = torch.as_tensor(s["doc_lengths"])
+                if int(lengths.sum()) != len(s["input_ids"]):
+                    raise ValueError(
+                        f"PackedCollator: doc_lengths sum to {int(lengths.sum())}, the sample has "
+                        f"{len(s['input_ids'])} input_ids; cut them together (TruncateProcessor does)"
+                    )
+                inner = torch.cumsum(lengths, 0)[:-1]
                 starts.extend((inner + offset).tolist())
             elif "position_ids" in s and len(s["position_ids"]):
                 # a document starts wherever positions do not go on by one: a restart at 0, or

@@ -58,6 +58,7 @@ class TruncateProcessor(RawItemProcessor):
 
     def process(self, item: Any) -> dict:
         sample = dict(IdentityProcessor().process(item))
+        lengths = sample.pop("doc_lengths", None)  # boundaries, not tokens: cut to match below
         for key in sample if self.keys is None else self.keys:
             value = sample[key]
             if _is_tokens(value):
@@ -68,4 +69,17 @@ class TruncateProcessor(RawItemProcessor):
                 raise TypeError(
                     f"TruncateProcessor: key {key!r} is not a 1-D token tensor or a list of them"
                 )
+        if lengths is not None and "input_ids" in sample:
+            sample["doc_lengths"] = _cut_lengths(lengths, len(sample["input_ids"]), self.keep_end)
         return sample
+
+
+def _cut_lengths(lengths: torch.Tensor, kept: int, keep_end: bool) -> torch.Tensor:
+    """Document lengths of the `kept` tokens left at the start (or the end) of a sample."""
+    lengths = lengths.flip(0) if keep_end else lengths
+    ends = torch.cumsum(lengths, 0)
+    cut = torch.minimum(ends, torch.tensor(kept)) - torch.minimum(
+        ends - lengths, torch.tensor(kept)
+    )
+    cut = cut[cut > 0]
+    return cut.flip(0) if keep_end else cut

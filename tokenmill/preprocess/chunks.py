@@ -136,7 +136,9 @@ def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResu
         packed, lost, cut = pack_rows(outs, config)
         if lost:
             ledgers[domain].drop("packing_overflow", cut, lost)
-        ledgers[domain].tokens_written += sum(row_tokens(r[k]) for r in packed for k in token_keys)
+        ledgers[domain].tokens_written += sum(
+            row_tokens(r[k]) for r in packed for k in token_keys if k in r
+        )
         rows.extend((domain, row) for row in packed)
     read = len(chunk.records) + len(chunk.read_errors)
     written = sum(len(v) for v in by_domain.values())
@@ -193,5 +195,5 @@ def _domain(record: Record, config: PipelineConfig) -> str:
 def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:
     """Trained tokens of a row: its masks' True values, or every token when nothing is masked."""
     if not mask_keys:
-        return sum(row_tokens(row[k]) for k in token_keys)
-    return sum(trained_count(row[k]) for k in mask_keys)
+        return sum(row_tokens(row[k]) for k in token_keys if k in row)
+    return sum(trained_count(row[k]) for k in mask_keys if k in row)

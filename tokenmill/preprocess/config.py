@@ -122,6 +122,13 @@ class InputConfig(_Strict):
         None,
         description="multi-output data (DPO, GRPO): output key -> source; `sections` is then ignored",
     )
+    shared_prompt: str | None = Field(
+        None,
+        description=(
+            "preference data: when a record has no field of this name, the longest prefix its"
+            " sources share (messages, or text) becomes it, as TRL extracts an implicit prompt"
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> InputConfig:
@@ -134,7 +141,12 @@ class InputConfig(_Strict):
 
 class Preprocessing(_Strict):
     max_seq_len: int = Field(
-        2048, gt=0, description="tokens kept per record (per output for multi-output data)"
+        2048,
+        gt=0,
+        description=(
+            "tokens a record may keep (per output for multi-output data), cut as"
+            " truncation_mode says; plain text under auto is never cut"
+        ),
     )
     min_chars: int = Field(
         50,
@@ -322,7 +334,8 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
                     ]
                 }
                 for side in ("chosen", "rejected")
-            }
+            },
+            "shared_prompt": "prompt",
         },
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
     },
@@ -343,6 +356,7 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
                     "sections": [
                         {
                             "field": "responses",
+                            "optional": True,  # prompt-only data: prompts for online generation
                             "action": "train",
                             "eos": True,
                             "add_special_tokens": False,
@@ -351,7 +365,9 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
                     "list_field": True,
                     "mask_key": "masks",
                 },
-                "rewards": {"sections": [{"field": "rewards", "action": "value"}]},
+                "rewards": {
+                    "sections": [{"field": "rewards", "action": "value", "optional": True}]
+                },
             }
         },
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},

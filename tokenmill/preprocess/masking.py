@@ -9,6 +9,7 @@ field, and every token rendered or cut is tallied for the ledger.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,7 @@ class RecordMasker:
         return out
 
     def _sources(self, record: Record, tally: Tally) -> DocumentArrays:
+        record = self._with_shared_prompt(record)
         out: DocumentArrays = {}
         group_sizes: dict[str, int] = {}
         values: dict[str, np.ndarray] = {}
@@ -171,6 +173,8 @@ class RecordMasker:
         for key, source in (self.config.input.sources or {}).items():
             section = source.sections[0]
             mask_key = self.source_mask_key(key)
+            if all(s.optional and record.data.get(s.field) is None for s in source.sections):
+                continue  # e.g. GRPO prompts without responses yet: prompts for online generation
             if section.action == "value":
                 values[key] = self._value(record, section)
                 out[key] = values[key]
@@ -239,6 +243,36 @@ class RecordMasker:
             raise untrained
         return out
 
+    def _with_shared_prompt(self, record: Record) -> Record:
+        """An implicit prompt made explicit (TRL's `extract_prompt`): the longest prefix all
+        sources' replies share, messages or text, moved into the `shared_prompt` field."""
+        name = self.config.input.shared_prompt
+        if name is None or record.data.get(name) is not None:
+            return record
+        fields = [s.sections[-1].field for s in (self.config.input.sources or {}).values()]
+        values: list[Any] = [record.data.get(f) for f in fields]
+        if len(values) < 2 or not all(isinstance(v, (str, list)) for v in values):
+            return record
+        if all(isinstance(v, str) for v in values):
+            cut = len(os.path.commonprefix(values))
+            cut = values[0].rfind(" ", 0, cut + 1) if cut < len(values[0]) else cut  # whole words
+        elif all(isinstance(v, list) for v in values):
+            cut = 0
+            while all(cut < len(v) - 1 for v in values) and all(
+                v[cut] == values[0][cut] for v in values
+            ):
+                cut += 1  # each reply keeps at least its last message
+        else:
+            return record
+        if cut <= 0:
+            return record
+        data = {
+            **record.data,
+            name: values[0][:cut],
+            **{f: v[cut:] for f, v in zip(fields, values)},
+        }
+        return Record(record.source, record.line, data)
+
     def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
         """Each section rendered; chat sections that follow one another are one conversation
         (a TRL prompt and its reply), rendered once."""
@@ -248,6 +282,8 @@ class RecordMasker:
             if section.optional and (section.field not in data or data[section.field] is None):
                 continue
             value = get_field(record, section.field)
+            if section.template and self._standard(record):
+                section = _as_text(section)  # TRL's standard (non-conversational) format
             if section.template and parts and parts[-1].messages is not None:
                 parts[-1] = self._continue_chat(record, parts[-1], section, value, tally)
             else:
@@ -257,6 +293,16 @@ class RecordMasker:
                 record.source, record.line, sections[0].field, "missing field", "missing_field"
             )
         return parts
+
+    def _standard(self, record: Record) -> bool:
+        """Preference data in TRL's standard format: every chat field it has holds text."""
+        if not self.config.multi_output:
+            return False
+        fields = {
+            s.field for src in (self.config.input.sources or {}).values() for s in src.sections
+            if s.template and record.data.get(s.field) is not None
+        }  # fmt: skip
+        return bool(fields) and all(isinstance(record.data[f], str) for f in fields)
 
     def _continue_chat(
         self, record: Record, part: Part, section: Section, value: Any, tally: Tally
@@ -467,6 +513,9 @@ class RecordMasker:
         part = parts[chat]
         messages, actions = part.messages or [], part.actions or []
         others = sum(len(p.ids) for i, p in enumerate(parts) if i != chat)
+        # a trained section beside the chat (a text response) already trains: then the chat
+        # keeps its latest turns whatever they train
+        trains = trains and not any(p.mask.any() for i, p in enumerate(parts) if i != chat)
         head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         starts = [head] + [
             i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"
@@ -522,6 +571,15 @@ class Part:
     mask: np.ndarray
     messages: list[dict] | None = None
     actions: list[bool] | None = None
+
+
+def _as_text(section: Section) -> Section:
+    """A chat section given plain text (TRL's standard format): the text itself, a prompt
+    masked, a reply trained and closed with EOS, as TRL tokenizes such data."""
+    trains = section.action in ("train", "$role")
+    return section.model_copy(
+        update={"template": False, "action": "train" if trains else "mask", "eos": trains}
+    )
 
 
 def _join(parts: list[Part]) -> tuple[np.ndarray, np.ndarray]:

@@ -86,6 +86,9 @@ class Pipeline:
         with self._engine.session():
             domains = self._write(files, masker, journal, state)
         summary.shards = sum(len(infos) for infos in domains.values())
+        unbalanced = summary.ledger().unbalanced()
+        if unbalanced:  # a defect in tokenmill, never in the data: no manifest, nothing complete
+            raise RuntimeError(f"{self.output_dir}: the ledger does not balance: {unbalanced}")
         summary.seconds = time.perf_counter() - start
         if rejects:
             write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))

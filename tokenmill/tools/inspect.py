@@ -31,6 +31,19 @@ def _record_lengths(column: Column, stream_length: int) -> np.ndarray:
     return np.diff(bounds)
 
 
+def _documents(pieces: Column, positions: Column | None) -> np.ndarray:
+    """Document lengths from a shard's row pieces: a piece whose positions go on (do not start
+    at 0) is the rest of the document before it (`stream` packing cuts documents at rows)."""
+    lengths = np.asarray(pieces.values, dtype=np.int64)
+    if positions is None or not len(lengths):
+        return lengths
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    first = np.flatnonzero(np.asarray(positions.values)[starts] == 0)
+    if not len(first) or first[0] != 0:
+        first = np.concatenate([[0], first])
+    return np.add.reduceat(lengths, first)
+
+
 def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
     keys: dict[str, dict[str, Any]] = {}
     lengths: dict[str, list[np.ndarray]] = {}
@@ -44,7 +57,7 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
         columns = map_shard(shard, meta)
         rows += shard_records(meta)
         if "doc_lengths" in columns:
-            documents.append(np.asarray(columns.pop("doc_lengths").values, dtype=np.int64))
+            documents.append(_documents(columns.pop("doc_lengths"), columns.get("position_ids")))
         elif "sequence" in columns:  # one document per row
             documents.append(_record_lengths(columns["sequence"], len(columns["sequence"].values)))
         for key, column in columns.items():
@@ -223,7 +236,9 @@ def plot_stats(root: str | Path, stats: dict[str, Any], path: str | Path) -> Non
             key = primary_key(list(meta))
             rows.append(_record_lengths(columns[key], meta[key]["shape"][0]))
             docs.append(
-                np.asarray(columns["doc_lengths"].values) if "doc_lengths" in columns else rows[-1]
+                _documents(columns["doc_lengths"], columns.get("position_ids"))
+                if "doc_lengths" in columns
+                else rows[-1]
             )
         label = name or "(root)"
         if docs:

@@ -28,16 +28,20 @@ class BaseDataset(Dataset):
     def __init__(self, store: Any, max_len: int = 2048) -> None:
         if max_len <= 0:
             raise ValueError(f"max_len must be positive, got {max_len}")
-        available = list(store.keys)
-        missing = [k for k in self.keys if k not in available]
-        if missing:
-            raise ValueError(
-                f"{type(self).__name__} needs store keys {missing}, missing from the store; "
-                f"available keys: {sorted(available)}"
-            )
+        self._check_keys(store, self.keys)
         self.store = store
         self.max_len = max_len
         self._fingerprint: str | None = None
+
+    @classmethod
+    def _check_keys(cls, store: Any, keys: tuple[str, ...]) -> None:
+        available = list(store.keys)
+        missing = [k for k in keys if k not in available]
+        if missing:
+            raise ValueError(
+                f"{cls.__name__} needs store keys {missing}, missing from the store; "
+                f"available keys: {sorted(available)}"
+            )
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -153,16 +157,44 @@ class SFTDataset(_StreamDataset):
 
     def _rows(self) -> tuple[np.ndarray, np.ndarray]:
         lengths = np.asarray(self.store.record_lengths("sequence"), dtype=np.int64)
-        return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        positions = self._positions()
+        if len(starts) and positions[starts].any():
+            count = int(np.count_nonzero(positions[starts]))
+            raise ValueError(
+                f"{count} rows start inside a document (the config split documents across "
+                "rows: packing stream or bfd_split); use sample='record' or sample='window'"
+            )
+        return starts, lengths
+
+    def _positions(self) -> np.ndarray:
+        return self.store.fetch_arrays(0, int(self.store.token_count), ["position_ids"])[
+            "position_ids"
+        ]
 
     def _documents(self) -> tuple[np.ndarray, np.ndarray]:
         """Each document's start in the token stream and its length: from the rows' stored
-        `doc_lengths`, or one document per row when the rows hold one each."""
+        `doc_lengths` (a piece whose positions go on from the piece before it is the rest of
+        that document), or, in shards written before rows stored them, where positions
+        restart at 0."""
+        positions = self._positions()
         if "doc_lengths" not in self.store.keys:
-            return self._rows()
-        total = int(np.asarray(self.store.record_lengths("doc_lengths")).sum())
-        lengths = self.store.fetch(0, total, "doc_lengths").numpy().astype(np.int64)
-        return np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64), lengths
+            starts = np.flatnonzero(positions == 0).astype(np.int64)
+        else:
+            total = int(np.asarray(self.store.record_lengths("doc_lengths")).sum())
+            pieces = self.store.fetch(0, total, "doc_lengths").numpy().astype(np.int64)
+            piece_starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(np.int64)
+            goes_on = positions[piece_starts] != 0
+            before = np.maximum(piece_starts - 1, 0)
+            apart = goes_on & (positions[piece_starts] != positions[before] + 1)
+            if apart.any():
+                raise ValueError(
+                    f"{int(apart.sum())} documents were split into pieces that are not next to "
+                    "each other (packing bfd_split); use sample='row' or sample='window'"
+                )
+            starts = piece_starts[~goes_on]
+        ends = np.append(starts[1:], int(self.store.token_count))
+        return starts, ends - starts
 
     def __len__(self) -> int:
         return super().__len__() if self.sample == "window" else len(self._lengths)
@@ -191,13 +223,14 @@ class SFTDataset(_StreamDataset):
             "loss_mask": torch.from_numpy(data["loss_mask"][1:].astype(np.bool_)),
             "position_ids": torch.from_numpy(data["position_ids"][:-1].astype(np.int64)),
         }
-        if self.sample != "window":
+        # rows without stored boundaries (older shards) leave them to positions
+        if self.sample == "record" or (self.sample == "row" and "doc_lengths" in self.store.keys):
             item["doc_lengths"] = self._doc_lengths(index, len(tokens) - 1)
         return item
 
     def _doc_lengths(self, index: int, inputs: int) -> torch.Tensor:
         """The documents of item `index` as lengths in its inputs (the last one a token short)."""
-        if self.sample == "record" or "doc_lengths" not in self.store.keys:
+        if self.sample == "record":
             return torch.tensor([inputs] if inputs else [], dtype=torch.int64)
         lengths = self.store.fetch_record(index, "doc_lengths").to(torch.int64)
         lengths[-1] -= 1
@@ -274,14 +307,27 @@ class DPODataset(_RecordDataset):
 
 class GRPODataset(_RecordDataset):
     """GRPO groups: one prompt, a list of responses with their masks, and one reward per
-    response. Nothing is truncated: a group is scored as a whole."""
+    response. Nothing is truncated: a group is scored as a whole. Prompt-only data (prompts
+    for online generation, no responses yet) gives items of `prompts` alone."""
 
     train_type = "grpo"
-    keys = ("prompts", "responses", "masks", "rewards")
-    length_keys = ("prompts", "responses")
+    keys = ("prompts",)
+    length_keys: tuple[str, ...] = ("prompts", "responses")
+
+    def __init__(self, store: Any, max_len: int = 2048) -> None:
+        super().__init__(store, max_len)
+        if "responses" in store.keys:
+            self._check_keys(store, ("responses", "masks", "rewards"))
+        else:
+            self.length_keys = ("prompts",)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        record = self._record(index)
+        if "responses" not in self.store.keys:
+            prompts = self.store.fetch_record(self._check_index(index), "prompts")
+            return {"prompts": torch.as_tensor(prompts).long().reshape(-1)}
+        record = self.store.fetch_record(
+            self._check_index(index), ["prompts", "responses", "masks", "rewards"]
+        )
         responses = [torch.as_tensor(r).long() for r in record["responses"]]
         masks = [torch.as_tensor(m).bool() for m in record["masks"]]
         rewards = torch.as_tensor(record["rewards"]).to(torch.float32).reshape(-1)
@@ -297,7 +343,7 @@ class GRPODataset(_RecordDataset):
         return "untruncated"
 
     def _measure(self, item: dict[str, Any]) -> int:
-        return len(item["prompts"]) + sum(len(r) for r in item["responses"])
+        return len(item["prompts"]) + sum(len(r) for r in item.get("responses", []))
 
 
 DATASETS: dict[str, type[BaseDataset]] = {
