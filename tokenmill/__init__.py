@@ -29,6 +29,7 @@ _EXPORTS = {
     "SFTDataset": "tokenmill.training.datasets",
     "DPODataset": "tokenmill.training.datasets",
     "GRPODataset": "tokenmill.training.datasets",
+    "KTODataset": "tokenmill.training.datasets",
     "RDSampler": "tokenmill.training.sampler",
     "DataDistributor": "tokenmill.dataflow",
     "RawItemProcessor": "tokenmill.dataflow",

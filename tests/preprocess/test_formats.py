@@ -238,3 +238,99 @@ def test_the_lazy_dpo_route_keeps_the_explicit_prompt(tmp_path, oracles):
     assert type(ds.store).__name__ == "JsonlStore" and ds.store.lazy
     want = oracle_ids(oracles["qwen2.5"], prompt + record["chosen"])
     assert ds[0]["chosen"].tolist() == want
+
+
+GENERATION_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_generation_blocks_mark_what_trains_as_transformers_reads_them(tmp_path):
+    """`train_spans: generation`: exactly the template's {% generation %} blocks train, as
+    transformers' return_assistant_tokens_mask gives them."""
+    import shutil
+
+    import transformers
+
+    shutil.copy(TOKENIZERS / "qwen2.5" / "tokenizer.json", tmp_path)
+    config = json.loads((TOKENIZERS / "qwen2.5" / "tokenizer_config.json").read_text())
+    config["chat_template"] = GENERATION_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    oracle = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    masker = RecordMasker(chat_config(train_spans="generation"), load_tokenizer(tmp_path))
+    with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
+        chats = [json.loads(next(f))["messages"] for _ in range(20)]
+    for messages in chats:
+        out = masker.process({"messages": messages})
+        want = oracle.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert out["sequence"].tolist() == list(want["input_ids"])
+        assert out["loss_mask"].astype(int).tolist() == list(want["assistant_masks"])
+    with pytest.raises(ValueError, match="no {% generation %} blocks"):
+        RecordMasker(chat_config(train_spans="generation"), load_tokenizer(TOKENIZERS / "qwen2.5"))
+
+
+def test_kto_unpaired_preferences_load_with_their_labels(tmp_path, oracles):
+    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.training.datasets import DatasetFactory
+
+    prompt = [{"role": "user", "content": "Name a prime number."}]
+    records = [
+        {"prompt": prompt, "completion": [{"role": "assistant", "content": "7"}], "label": True},
+        {"prompt": prompt, "completion": [{"role": "assistant", "content": "8"}], "label": False},
+        {"prompt": "The sky is", "completion": " blue.", "label": True},  # standard (text) format
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    qwen = TOKENIZERS / "qwen2.5"
+    Pipeline(
+        default_config("kto"), [tmp_path / "in.jsonl"], tmp_path / "out", qwen, workers=1
+    ).run()
+    ds = DatasetFactory.load("kto", tmp_path / "out", window_size=2048)
+    assert [float(ds[i]["label"]) for i in range(3)] == [1.0, 0.0, 1.0]
+    bundle = load_tokenizer(qwen)
+    for i in range(2):
+        item = ds[i]
+        assert item["completion"].tolist() == oracle_ids(
+            oracles["qwen2.5"], prompt + records[i]["completion"]
+        )
+        reply = records[i]["completion"][0]["content"]
+        assert trained_runs(
+            bundle, item["completion"].numpy(), item["completion_mask"].numpy()
+        ) == [f"<|im_start|>assistant\n{reply}<|im_end|>\n"]
+    text = ds[2]
+    assert bundle.tokenizer.decode(text["completion"][text["completion_mask"]].tolist()) == " blue."
+
+
+def test_a_truncated_preference_pair_keeps_one_prompt_for_both_replies():
+    """Over max_seq_len, chosen and rejected drop the same oldest turns of their shared
+    prompt (as many as the longer one needs), so the prompt stays byte-identical."""
+    bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
+    data = default_config("dpo").model_dump(mode="json")
+    data["preprocessing"]["max_seq_len"] = 80
+    masker = RecordMasker(PipelineConfig.from_dict(data), bundle)
+    words = lambda n: " ".join(["word"] * n)  # noqa: E731
+    prompt = [
+        {"role": "user", "content": words(10)},
+        {"role": "assistant", "content": words(5)},
+        {"role": "user", "content": "question " + words(8)},
+    ]
+    record = {"chosen": prompt + [{"role": "assistant", "content": words(30)}],
+              "rejected": prompt + [{"role": "assistant", "content": "no"}]}  # fmt: skip
+    out, tally = masker.process_counted(Record("pairs.jsonl", 1, record))
+    prompts = []
+    for side in ("chosen", "rejected"):
+        ids, mask = out[side], out[f"{side}_mask"]
+        assert len(ids) <= 80 and mask.any()
+        prompts.append(ids[: int(np.flatnonzero(mask)[0])].tolist())
+    assert prompts[0] == prompts[1]
+    assert "question" in bundle.tokenizer.decode(prompts[0]) and words(
+        10
+    ) not in bundle.tokenizer.decode(prompts[0])
+    assert tally.truncated > 0

@@ -267,7 +267,8 @@ def test_store_without_a_required_key_fails_at_construction(shards: dict[str, Pa
 
 def test_unknown_names_and_keywords_raise(shards: dict[str, Path]):
     with pytest.raises(
-        ValueError, match=r"unknown train_type 'pretrain'; valid: \['dpo', 'grpo', 'seq', 'sft'\]"
+        ValueError,
+        match=r"unknown train_type 'pretrain'; valid: \['dpo', 'grpo', 'kto', 'seq', 'sft'\]",
     ):
         DatasetFactory.load("pretrain", shards["seq"], window_size=WINDOW)
     with pytest.raises(TypeError, match="window"):

@@ -7,6 +7,7 @@ importing transformers; templates are compiled once per process.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cache
 from typing import Any
@@ -56,10 +57,37 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
 
+# While `render_generation_spans` runs: (the pieces rendered so far, the spans found).
+_TRACKING: tuple[list[str], list[tuple[int, int]]] | None = None
+
+
+class _GenerationBlocks(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: the text a template marks as the model's
+    own (what transformers' `return_assistant_tokens_mask` reads). The output is unchanged;
+    while spans are tracked, each block's character span is recorded."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_block"), [], [], body).set_lineno(lineno)
+
+    def _block(self, caller: Any) -> str:
+        text = caller()
+        if _TRACKING is not None:
+            pieces, spans = _TRACKING
+            start = sum(len(p) for p in pieces)
+            spans.append((start, start + len(text)))
+        return text
+
+
 @cache
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationBlocks],
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -85,6 +113,31 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def has_generation_blocks(template: str | None) -> bool:
+    return template is not None and re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+def render_generation_spans(
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    add_generation_prompt: bool = False,
+    tools: list[dict] | None = None,
+    **template_kwargs: Any,
+) -> tuple[str, list[tuple[int, int]]]:
+    """The rendering, and the character spans of its `{% generation %}` blocks."""
+    global _TRACKING
+    pieces: list[str] = []
+    spans: list[tuple[int, int]] = []
+    context = _context(bundle, messages, add_generation_prompt, tools, template_kwargs)
+    _TRACKING = (pieces, spans)
+    try:
+        for piece in _compile(bundle.chat_template or "").generate(**context):
+            pieces.append(piece)
+    finally:
+        _TRACKING = None
+    return "".join(pieces), spans
+
+
 def render_text(
     bundle: TokenizerBundle,
     messages: list[dict],
@@ -94,6 +147,19 @@ def render_text(
 ) -> str:
     """The conversation exactly as the tokenizer's own chat template renders it, with the
     tool schemas and keyword arguments (`enable_thinking`, ...) transformers would pass."""
+    return _compile(bundle.chat_template or "").render(
+        **_context(bundle, messages, add_generation_prompt, tools, template_kwargs)
+    )
+
+
+def _context(
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    template_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The variables the template sees, as transformers passes them."""
     if bundle.chat_template is None:
         raise ValueError(
             f"{bundle.path}: no chat template (tokenizer_config.json 'chat_template' "
@@ -101,13 +167,11 @@ def render_text(
         )
     if not messages:
         raise ValueError("messages: a conversation needs at least one message")
-    return _compile(bundle.chat_template).render(
-        **{
-            **dict(bundle.special_tokens),
-            **template_kwargs,
-            "messages": _template_messages(messages),
-            "tools": tools or None,
-            "documents": None,
-            "add_generation_prompt": add_generation_prompt,
-        }
-    )
+    return {
+        **dict(bundle.special_tokens),
+        **template_kwargs,
+        "messages": _template_messages(messages),
+        "tools": tools or None,
+        "documents": None,
+        "add_generation_prompt": add_generation_prompt,
+    }

@@ -66,6 +66,13 @@ class Section(_Strict):
     optional: bool = Field(
         False, description="a record without this field (or with null) skips the section"
     )
+    train_spans: Literal["roles", "generation"] = Field(
+        "roles",
+        description=(
+            "what trains in a chat: roles (the action rule) or generation (exactly the"
+            " template's {% generation %} blocks, as transformers' return_assistant_tokens_mask)"
+        ),
+    )
     tools_field: str | None = Field(
         "tools",
         description="record field with the tool schemas a chat template renders (absent: none)",
@@ -83,6 +90,8 @@ class Section(_Strict):
             raise ValueError('action "value" copies the raw value: template and eos must be false')
         if self.generation_prompt and not self.template:
             raise ValueError("generation_prompt needs template: true")
+        if self.train_spans == "generation" and not self.template:
+            raise ValueError("train_spans: generation needs template: true")
         return self
 
 
@@ -336,6 +345,21 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
                 for side in ("chosen", "rejected")
             },
             "shared_prompt": "prompt",
+        },
+        "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
+    },
+    # TRL's unpaired preference data (KTO): a prompt and one completion, labelled good or bad
+    "kto": {
+        "input": {
+            "sources": {
+                "completion": {
+                    "sections": [
+                        dict(_PROMPT),
+                        {"field": "completion", "template": True, "action": "$role"},
+                    ]
+                },
+                "label": {"sections": [{"field": "label", "action": "value"}]},
+            }
         },
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
     },

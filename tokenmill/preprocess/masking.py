@@ -17,6 +17,7 @@ import jinja2
 import numpy as np
 import orjson
 
+from tokenmill.preprocess.chat_template import has_generation_blocks
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.fields import check_messages, get_field
 from tokenmill.preprocess.records import Record, RecordError
@@ -59,6 +60,14 @@ class RecordMasker:
         self.config = config
         self.bundle = bundle
         self.roles = config.known_roles()
+        sections = [*config.input.sections]
+        sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
+        if any(s.train_spans == "generation" for s in sections):
+            if not has_generation_blocks(bundle.chat_template):
+                raise ValueError(
+                    f"{bundle.path}: its chat template has no {{% generation %}} blocks, "
+                    "which train_spans: generation reads"
+                )
 
     # --- what this config writes -------------------------------------------------------
     def output_keys(self) -> list[str]:
@@ -170,6 +179,14 @@ class RecordMasker:
         group_sizes: dict[str, int] = {}
         values: dict[str, np.ndarray] = {}
         untrained: RecordError | None = None  # raised once every source is rendered (the ledger)
+        rendered = {
+            key: self._sections(record, source.sections, tally)
+            for key, source in (self.config.input.sources or {}).items()
+            if not source.list_field
+            and source.sections[0].action != "value"
+            and not all(s.optional and record.data.get(s.field) is None for s in source.sections)
+        }
+        rendered = self._shared_turns(record, rendered, tally)
         for key, source in (self.config.input.sources or {}).items():
             section = source.sections[0]
             mask_key = self.source_mask_key(key)
@@ -216,7 +233,7 @@ class RecordMasker:
                     out[mask_key] = masks
                 group_sizes[key] = len(items)
             else:
-                parts = self._sections(record, source.sections, tally)
+                parts = rendered[key]
                 ids, mask = self._fit(record, source.sections, parts, tally)
                 out[key] = ids
                 if _can_train(source.sections) and not mask.any():
@@ -242,6 +259,50 @@ class RecordMasker:
         if untrained is not None:
             raise untrained
         return out
+
+    def _shared_turns(
+        self, record: Record, rendered: dict[str, list[Part]], tally: Tally
+    ) -> dict[str, list[Part]]:
+        """Preference data over max_seq_len under latest_turns: every reply keeps the same
+        latest turns of the shared prompt (as many as let the longest conversation fit), so
+        the prompt stays byte-identical between chosen and rejected."""
+        limit, name = self.config.preprocessing.max_seq_len, self.config.input.shared_prompt
+        prompt = record.data.get(name) if name else None
+        sources = self.config.input.sources or {}
+        chats = {
+            k: next((p for p in parts if p.messages is not None), None)
+            for k, parts in rendered.items()
+        }
+        if (
+            not isinstance(prompt, list)
+            or len(rendered) < 2
+            or any(c is None for c in chats.values())
+            or any(self.truncation(sources[k].sections) != "latest_turns" for k in rendered)
+            or all(sum(len(p.ids) for p in parts) <= limit for parts in rendered.values())
+        ):
+            return rendered
+        first = chats[next(iter(chats))]
+        messages = (first.messages if first is not None else None) or []
+        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        last = len(prompt) - 1  # the prompt's own turns only: the replies stay whole
+        starts = [i for i in range(head + 1, last + 1) if messages[i]["role"] == "user"]
+        best = rendered
+        for start in starts:
+            best = {}
+            for key, parts in rendered.items():
+                chat = chats[key]
+                assert chat is not None
+                kept = [i for i in range(len(chat.messages or [])) if i < head or i >= start]
+                best[key] = [
+                    self._with_messages(record, p, kept) if p is chat else p for p in parts
+                ]
+            if all(sum(len(p.ids) for p in parts) <= limit for parts in best.values()):
+                break
+        for key, parts in best.items():  # the turns dropped here are cut tokens too
+            tally.truncated += sum(len(p.ids) for p in rendered[key]) - sum(
+                len(p.ids) for p in parts
+            )
+        return best
 
     def _with_shared_prompt(self, record: Record) -> Record:
         """An implicit prompt made explicit (TRL's `extract_prompt`): the longest prefix all
@@ -388,6 +449,7 @@ class RecordMasker:
                 add_generation_prompt=section.generation_prompt,
                 tools=tools,
                 template_kwargs=section.template_kwargs,
+                generation=section.train_spans == "generation",
             )
         except (
             ValueError,
@@ -455,7 +517,7 @@ class RecordMasker:
         items = value if isinstance(value, list) else [value]
         for j, v in enumerate(items):
             where = f"{section.field}[{j}]" if isinstance(value, list) else section.field
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
+            if not isinstance(v, (int, float)):  # a bool counts: KTO's label, stored 1.0 / 0.0
                 raise RecordError(
                     record.source,
                     record.line,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from tokenmill.preprocess.chat_template import render_text
+from tokenmill.preprocess.chat_template import render_generation_spans, render_text
 from tokenmill.preprocess.tokenizer import TokenizerBundle
 
 Render = Callable[[list[dict], bool], str]  # messages, add_generation_prompt -> rendered text
@@ -33,6 +33,7 @@ def render_conversation(
     add_generation_prompt: bool = False,
     tools: list[dict] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    generation: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ids (int32) of the full rendering and its loss mask (True = trained).
 
@@ -41,6 +42,17 @@ def render_conversation(
     are never trained. `tools` and `template_kwargs` (`enable_thinking`, ...) reach the
     template as transformers' `apply_chat_template` passes them.
     """
+    if generation:  # the template marks what trains: `{% generation %}` blocks, not roles
+        text, spans = render_generation_spans(
+            bundle, messages, add_generation_prompt, tools, **(template_kwargs or {})
+        )
+        encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int32)
+        first = np.asarray([a for a, _ in encoding.offsets], dtype=np.int64)
+        mask = np.zeros(len(ids), dtype=bool)
+        for a, b in spans:
+            mask |= (first >= a) & (first < b)
+        return _with_bos(bundle, ids, mask)
     if len(actions) != len(messages):
         raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
     render: Render = partial(render_text, bundle, tools=tools, **(template_kwargs or {}))
@@ -85,6 +97,13 @@ def render_conversation(
     starts = np.asarray([0, *span_starts])  # span 0: the template's preamble, never trained
     owner = np.searchsorted(starts, first_char, side="right") - 1
     mask = np.asarray([False, *actions], dtype=bool)[owner] & (first_char < prompt_start)
+    return _with_bos(bundle, ids, mask)
+
+
+def _with_bos(
+    bundle: TokenizerBundle, ids: np.ndarray, mask: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exactly one leading BOS, masked: the template's own, or prepended where it has none."""
     if bundle.bos_id is not None:
         if ids[:1].tolist() != [bundle.bos_id]:
             ids = np.concatenate([np.asarray([bundle.bos_id], dtype=np.int32), ids])

@@ -305,6 +305,30 @@ class DPODataset(_RecordDataset):
         return len(item["chosen"]) + len(item["rejected"])
 
 
+class KTODataset(_RecordDataset):
+    """Unpaired preference data (TRL's KTO): `completion` (the prompt and the reply as one
+    conversation) with its `completion_mask` (the reply trains), cut to `max_len` keeping the
+    start, and `label` (1.0 good, 0.0 bad)."""
+
+    train_type = "kto"
+    keys = ("completion", "completion_mask", "label")
+    length_keys = ("completion",)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        record = self._record(index)
+        return {
+            "completion": torch.as_tensor(record["completion"])[: self.max_len].long(),
+            "completion_mask": torch.as_tensor(record["completion_mask"])[: self.max_len].bool(),
+            "label": torch.as_tensor(record["label"]).to(torch.float32).reshape(()),
+        }
+
+    def _capped(self, lengths: np.ndarray) -> np.ndarray:
+        return np.minimum(lengths, self.max_len)
+
+    def _measure(self, item: dict[str, Any]) -> int:
+        return len(item["completion"])
+
+
 class GRPODataset(_RecordDataset):
     """GRPO groups: one prompt, a list of responses with their masks, and one reward per
     response. Nothing is truncated: a group is scored as a whole. Prompt-only data (prompts
@@ -350,6 +374,7 @@ DATASETS: dict[str, type[BaseDataset]] = {
     "seq": SEQDataset,
     "sft": SFTDataset,
     "dpo": DPODataset,
+    "kto": KTODataset,
     "grpo": GRPODataset,
 }
 
