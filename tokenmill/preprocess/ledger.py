@@ -102,3 +102,14 @@ class Ledger:
                     f"({entry['records']:,} {what})"
                 )
         return lines
+
+
+@dataclass
+class Tally:
+    """What one record cost and lost: text characters read, tokens rendered (before any cut),
+    and tokens cut by truncation. The ledger adds these up; a dropped record's RecordError
+    carries its `tokens` too, so every rendered token is accounted for."""
+
+    chars: int = 0
+    tokens: int = 0
+    truncated: int = 0

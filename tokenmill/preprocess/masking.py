@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import jinja2
@@ -20,26 +20,17 @@ import orjson
 from tokenmill.preprocess.chat_template import has_generation_blocks
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.fields import check_messages, get_field
+from tokenmill.preprocess.ledger import Tally
 from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
+from tokenmill.preprocess.truncation import Part, fit, resolve, shared_turns
 
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
 
 
 # Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
 FILTER_REASONS = ("too_short", "too_long", "no_trained_tokens")
-
-
-@dataclass
-class Tally:
-    """What one record cost and lost: text characters read, tokens rendered (before any cut),
-    and tokens cut by truncation. The ledger adds these up; a dropped record's RecordError
-    carries its `tokens` too, so every rendered token is accounted for."""
-
-    chars: int = 0
-    tokens: int = 0
-    truncated: int = 0
 
 
 def key_dtype(key: str, config: PipelineConfig, value_keys: set[str]) -> str:
@@ -259,50 +250,6 @@ class RecordMasker:
         if untrained is not None:
             raise untrained
         return out
-
-    def _shared_turns(
-        self, record: Record, rendered: dict[str, list[Part]], tally: Tally
-    ) -> dict[str, list[Part]]:
-        """Preference data over max_seq_len under latest_turns: every reply keeps the same
-        latest turns of the shared prompt (as many as let the longest conversation fit), so
-        the prompt stays byte-identical between chosen and rejected."""
-        limit, name = self.config.preprocessing.max_seq_len, self.config.input.shared_prompt
-        prompt = record.data.get(name) if name else None
-        sources = self.config.input.sources or {}
-        chats = {
-            k: next((p for p in parts if p.messages is not None), None)
-            for k, parts in rendered.items()
-        }
-        if (
-            not isinstance(prompt, list)
-            or len(rendered) < 2
-            or any(c is None for c in chats.values())
-            or any(self.truncation(sources[k].sections) != "latest_turns" for k in rendered)
-            or all(sum(len(p.ids) for p in parts) <= limit for parts in rendered.values())
-        ):
-            return rendered
-        first = chats[next(iter(chats))]
-        messages = (first.messages if first is not None else None) or []
-        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-        last = len(prompt) - 1  # the prompt's own turns only: the replies stay whole
-        starts = [i for i in range(head + 1, last + 1) if messages[i]["role"] == "user"]
-        best = rendered
-        for start in starts:
-            best = {}
-            for key, parts in rendered.items():
-                chat = chats[key]
-                assert chat is not None
-                kept = [i for i in range(len(chat.messages or [])) if i < head or i >= start]
-                best[key] = [
-                    self._with_messages(record, p, kept) if p is chat else p for p in parts
-                ]
-            if all(sum(len(p.ids) for p in parts) <= limit for parts in best.values()):
-                break
-        for key, parts in best.items():  # the turns dropped here are cut tokens too
-            tally.truncated += sum(len(p.ids) for p in rendered[key]) - sum(
-                len(p.ids) for p in parts
-            )
-        return best
 
     def _with_shared_prompt(self, record: Record) -> Record:
         """An implicit prompt made explicit (TRL's `extract_prompt`): the longest prefix all
@@ -533,67 +480,34 @@ class RecordMasker:
 
     # --- truncation: what a record longer than max_seq_len keeps ------------------------
     def truncation(self, sections: list[Section]) -> str:
-        """The policy for these sections; `auto`: latest_turns for chats, cut_prompt for a
-        prompt and a response, none for plain text (pretraining keeps every token)."""
-        mode = self.config.preprocessing.truncation_mode
-        if mode != "auto":
-            return mode
-        if any(s.template for s in sections):
-            return "latest_turns"
-        if any(s.action == "mask" for s in sections):
-            return "cut_prompt"
-        return "none"
+        """The policy for these sections (see truncation.resolve)."""
+        return resolve(self.config.preprocessing.truncation_mode, sections)
 
     def _fit(
         self, record: Record, sections: list[Section], parts: list[Part], tally: Tally
     ) -> tuple[np.ndarray, np.ndarray]:
         """The parts joined and cut to max_seq_len by the sections' policy; cuts are tallied."""
-        ids, mask = _join(parts)
-        limit, mode = self.config.preprocessing.max_seq_len, self.truncation(sections)
-        if len(ids) <= limit or mode == "none":
-            return ids, mask
-        if mode == "latest_turns":
-            parts = self._latest_turns(record, parts, limit, _can_train(sections))
-            kept, kept_mask = _join(parts)
-            if len(kept) > limit:
-                kept, kept_mask = _cut(kept, kept_mask, "cut_prompt", limit, self.bundle.bos_id)
-        else:
-            kept, kept_mask = _cut(ids, mask, mode, limit, self.bundle.bos_id)
-        tally.truncated += len(ids) - len(kept)
-        return kept, kept_mask
+        return fit(
+            parts, self.config.preprocessing.max_seq_len, self.truncation(sections),
+            _can_train(sections), self.bundle.bos_id, self._rerender(record), tally,
+        )  # fmt: skip
 
-    def _latest_turns(
-        self, record: Record, parts: list[Part], limit: int, trains: bool
-    ) -> list[Part]:
-        """The first chat part re-rendered with its leading system messages and the latest
-        complete turns (a user message and what follows it) that fit beside the other parts,
-        with a trained token when the sections train. When no suffix of turns fits, the
-        latest turn that trains (or the latest turn) is kept, for cut_prompt to cut."""
-        chat = next((i for i, p in enumerate(parts) if p.messages is not None), None)
-        if chat is None:
-            return parts
-        part = parts[chat]
-        messages, actions = part.messages or [], part.actions or []
-        others = sum(len(p.ids) for i, p in enumerate(parts) if i != chat)
-        # a trained section beside the chat (a text response) already trains: then the chat
-        # keeps its latest turns whatever they train
-        trains = trains and not any(p.mask.any() for i, p in enumerate(parts) if i != chat)
-        head = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
-        starts = [head] + [
-            i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"
-        ]
-        fallback = None
-        for k in range(1, len(starts)):
-            kept = list(range(head)) + list(range(starts[k], len(messages)))
-            if trains and not any(actions[i] for i in kept):
-                break  # the turns left train nothing, and shorter suffixes train less
-            candidate = self._with_messages(record, part, kept)
-            fallback = candidate
-            if others + len(candidate.ids) <= limit and (not trains or candidate.mask.any()):
-                return [candidate if i == chat else p for i, p in enumerate(parts)]
-        if fallback is None:
-            return parts
-        return [fallback if i == chat else p for i, p in enumerate(parts)]
+    def _shared_turns(
+        self, record: Record, rendered: dict[str, list[Part]], tally: Tally
+    ) -> dict[str, list[Part]]:
+        """Preference data: one kept prompt for every reply (see truncation.shared_turns)."""
+        name = self.config.input.shared_prompt
+        prompt = record.data.get(name) if name else None
+        sources = self.config.input.sources or {}
+        if not isinstance(prompt, list) or any(
+            self.truncation(sources[k].sections) != "latest_turns" for k in rendered
+        ):
+            return rendered
+        limit = self.config.preprocessing.max_seq_len
+        return shared_turns(rendered, len(prompt), limit, self._rerender(record), tally)
+
+    def _rerender(self, record: Record) -> Callable[[Part, list[int]], Part]:
+        return lambda part, kept: self._with_messages(record, part, kept)
 
     def _with_messages(self, record: Record, part: Part, kept: list[int]) -> Part:
         messages = [(part.messages or [])[i] for i in kept]
@@ -621,20 +535,6 @@ class RecordMasker:
             )
 
 
-@dataclass
-class Part:
-    """One section of one record, rendered: its tokens and mask, and for a chat its messages
-    and their actions (so that truncation can render fewer turns)."""
-
-    section: Section
-    field: str
-    first: bool
-    ids: np.ndarray
-    mask: np.ndarray
-    messages: list[dict] | None = None
-    actions: list[bool] | None = None
-
-
 def _as_text(section: Section) -> Section:
     """A chat section given plain text (TRL's standard format): the text itself, a prompt
     masked, a reply trained and closed with EOS, as TRL tokenizes such data."""
@@ -642,39 +542,6 @@ def _as_text(section: Section) -> Section:
     return section.model_copy(
         update={"template": False, "action": "train" if trains else "mask", "eos": trains}
     )
-
-
-def _join(parts: list[Part]) -> tuple[np.ndarray, np.ndarray]:
-    ids = np.concatenate([p.ids for p in parts]).astype(np.int32, copy=False)
-    return ids, np.concatenate([p.mask for p in parts]).astype(bool, copy=False)
-
-
-def _cut(
-    ids: np.ndarray, mask: np.ndarray, mode: str, limit: int, bos: int | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """ids and mask cut to `limit` tokens. keep_start / keep_end keep that end (keep_end keeps
-    a leading BOS, masked). cut_prompt (as LLaMA-Factory does) cuts the end of the prompt (the
-    tokens before the first trained one, keeping its start) to make room for the response; a
-    response longer than the room keeps its start, after at most half the room of prompt."""
-    has_bos = bos is not None and len(ids) > 0 and ids[0] == bos and limit > 1
-    if mode == "keep_start":
-        return ids[:limit], mask[:limit]
-    if mode == "keep_end":
-        if has_bos:
-            return np.concatenate([ids[:1], ids[-(limit - 1) :]]), np.concatenate(
-                [[False], mask[-(limit - 1) :]]
-            )
-        return ids[-limit:], mask[-limit:]
-    trained = np.flatnonzero(mask)
-    if not len(trained):
-        return ids[:limit], mask[:limit]
-    first, excess, head = int(trained[0]), len(ids) - limit, int(has_bos)
-    if first - head >= excess:
-        keep = np.r_[0 : first - excess, first : len(ids)]
-    else:
-        prompt = max(head, min(first, limit // 2))
-        keep = np.r_[0:prompt, first : first + limit - prompt]
-    return ids[keep], mask[keep]
 
 
 def _needs_mask(sections: list[Section]) -> bool:
