@@ -319,3 +319,27 @@ def test_find_shards_orders_domains_then_shard_numbers(tmp_path):
         (tmp_path / rel / "meta.json").write_text("{}")
     found = [p.relative_to(tmp_path).as_posix() for p in find_shards(tmp_path)]
     assert found == ["code/shard_00002", "web/shard_99999", "web/shard_100000"]
+
+
+def test_verify_checks_that_stored_document_boundaries_add_up_to_their_rows(tmp_path):
+    """A row's doc_lengths are what training trusts for cu_seqlens: verify re-adds them."""
+    rows = [
+        {"sequence": np.arange(5), "doc_lengths": np.array([2, 3], np.int32)},
+        {"sequence": np.arange(4), "doc_lengths": np.array([4], np.int32)},
+    ]
+    with ShardWriter(
+        tmp_path, {"sequence": "int32", "doc_lengths": "int32"}, "sequence", 10**6
+    ) as w:
+        for row in rows:
+            w.add(row)
+    assert verify_dataset(tmp_path, require_manifest=False) == []
+    shard = find_shards(tmp_path)[0]
+    bad = np.array([2, 2, 4], np.int32)  # row 0 now adds up to 4, not 5
+    bad.tofile(shard / "doc_lengths.bin")
+    meta = read_meta(shard)
+    meta["doc_lengths"]["xxh64"] = xxhash.xxh64(bad.tobytes()).hexdigest()
+    (shard / "meta.json").write_text(json.dumps(meta))
+    problems = verify_dataset(tmp_path, require_manifest=False)
+    assert problems == [
+        "shard_00000/doc_lengths.bin: row 0: documents add up to 4 tokens, the row has 5 (1 rows disagree)"
+    ]

@@ -23,7 +23,7 @@ from tokenmill.shards.format import (
     shard_records,
 )
 from tokenmill.shards.manifest import listed, read_manifest
-from tokenmill.shards.reader import find_shards, map_array, read_meta
+from tokenmill.shards.reader import find_shards, map_array, map_shard, read_meta
 
 
 def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
@@ -81,7 +81,33 @@ def _verify_shard(shard: Path, rel: str, meta: dict) -> list[str]:
             length = bounds_count(entry["items"]) - 1
         if "offsets" in entry:
             problems += _verify_bounds(shard, rel, key, "offsets", entry["offsets"], length)
+    if not problems and "doc_lengths" in meta and "sequence" in meta:
+        problems += _verify_documents(shard, rel, meta)
     return problems
+
+
+def _verify_documents(shard: Path, rel: str, meta: dict) -> list[str]:
+    """Each row's stored document lengths add up to the row: the boundaries training trusts."""
+    columns = map_shard(shard, meta)
+    sequence, documents = columns["sequence"], columns["doc_lengths"]
+    if sequence.offsets is None or documents.offsets is None:
+        return []
+    rows = np.diff(sequence.offsets)
+    pieces = np.diff(documents.offsets)
+    sums = np.zeros(len(rows), dtype=np.int64)
+    if len(documents.values):
+        filled = pieces > 0
+        sums[filled] = np.add.reduceat(
+            np.asarray(documents.values, np.int64), documents.offsets[:-1][filled]
+        )
+    bad = np.flatnonzero(sums != rows)
+    if len(bad):
+        row = int(bad[0])
+        return [
+            f"{rel}/doc_lengths.bin: row {row}: documents add up to {int(sums[row])} tokens, "
+            f"the row has {int(rows[row])} ({len(bad)} rows disagree)"
+        ]
+    return []
 
 
 def _verify_bounds(
