@@ -105,7 +105,9 @@ def test_openai_tool_calls_and_results_are_exact_and_results_stay_masked(family,
     masked = bundle.tokenizer.decode(
         out["sequence"][~out["loss_mask"]].tolist(), skip_special_tokens=False
     )
-    assert "Paris: 22 C and sunny." in trained and "Rome" in trained  # the calls and the answer
+    assert "Paris: 22 C and sunny." in trained  # the answer
+    if family != "deepseek-v3":  # its template renders no call for an empty content
+        assert trained.count("get_weather") == 2  # the tool calls train with the assistant turn
     assert "22 C, sunny" in masked and "22 C, sunny" not in trained
     closing = {"deepseek-v3": "<｜tool▁outputs▁end｜>"}.get(family, "</tool_response><|im_end|>")
     assert closing in masked and closing not in trained
@@ -334,3 +336,39 @@ def test_a_truncated_preference_pair_keeps_one_prompt_for_both_replies():
         10
     ) not in bundle.tokenizer.decode(prompts[0])
     assert tally.truncated > 0
+
+
+@pytest.mark.parametrize("ending", ["tool", "answer", "user"])
+def test_qwen3_reasoning_beside_tool_calls_keeps_results_masked(ending, oracles):
+    """Qwen3 renders reasoning only after the last user turn: the spans still keep every
+    tool call with its assistant turn and every tool result masked."""
+    bundle = load_tokenizer(TOKENIZERS / "qwen3")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.", "tool_calls": [call]},
+        {"role": "tool", "content": "22 C"},
+    ]  # fmt: skip
+    if ending != "tool":
+        messages.append({"role": "assistant", "content": "22 C.", "reasoning_content": "done"})
+    if ending == "user":
+        messages += [{"role": "user", "content": "thanks"}, {"role": "assistant", "content": "np"}]
+    out = RecordMasker(chat_config(), bundle).process({"messages": messages})
+    assert out["sequence"].tolist() == oracle_ids(oracles["qwen3"], messages)
+    runs = trained_runs(bundle, out["sequence"], out["loss_mask"])
+    assert all(r.startswith("<|im_start|>assistant\n") and r.endswith("<|im_end|>\n") for r in runs)
+    assert not any("tool_response" in r for r in runs)
+    assert any("<tool_call>" in r for r in runs)
+    assert len(runs) == {"tool": 1, "answer": 2, "user": 3}[ending]
+
+
+def test_an_implicit_text_prompt_is_cut_where_trl_cuts_it():
+    bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
+    masker = RecordMasker(default_config("dpo"), bundle)
+    for chosen, rejected, reply in [
+        ("What color is the sky?\nBlue.", "What color is the sky?\nGreen.", "Blue."),
+        ("天空是蓝色的。", "天空是绿色的。", "蓝色的。"),
+    ]:
+        out = masker.process({"chosen": chosen, "rejected": rejected})
+        trained = out["chosen"][out["chosen_mask"]].tolist()
+        assert bundle.tokenizer.decode(trained) == reply

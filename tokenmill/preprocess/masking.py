@@ -261,9 +261,9 @@ class RecordMasker:
         values: list[Any] = [record.data.get(f) for f in fields]
         if len(values) < 2 or not all(isinstance(v, (str, list)) for v in values):
             return record
-        if all(isinstance(v, str) for v in values):
-            cut = len(os.path.commonprefix(values))
-            cut = values[0].rfind(" ", 0, cut + 1) if cut < len(values[0]) else cut  # whole words
+        if all(isinstance(v, str) for v in values):  # TRL's rule: up to the first difference,
+            cut = len(os.path.commonprefix(values))  # less the space before it
+            cut -= int(cut > 0 and values[0][cut - 1] == " ")
         elif all(isinstance(v, list) for v in values):
             cut = 0
             while all(cut < len(v) - 1 for v in values) and all(

@@ -103,8 +103,10 @@ def render_conversation(
 def _with_bos(
     bundle: TokenizerBundle, ids: np.ndarray, mask: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Exactly one leading BOS, masked: the template's own, or prepended where it has none."""
-    if bundle.bos_id is not None:
+    """At most one leading BOS, masked: the template's own, or prepended where it renders
+    none and the tokenizer's own encode adds one (`add_bos_token`); never a BOS the
+    tokenizer would not put there (a GPT-2-style folder that only names one)."""
+    if bundle.bos_id is not None and (bundle.add_bos_token or ids[:1].tolist() == [bundle.bos_id]):
         if ids[:1].tolist() != [bundle.bos_id]:
             ids = np.concatenate([np.asarray([bundle.bos_id], dtype=np.int32), ids])
             mask = np.concatenate([[False], mask])
@@ -131,6 +133,7 @@ def _prefix_starts(
     message k-1 is not the last one: templates render a last turn differently); the two
     renderings part where message k's header would start."""
     starts, previous = [], first
+    opener = _header_opener(render)
     for k in range(1, len(messages)):
         mark = _CONTENT_MARK.format(k)
         try:
@@ -138,20 +141,45 @@ def _prefix_starts(
             b = render([*messages[:k], {"role": "assistant", "content": mark}], False)
         except Exception:  # a template refusing that shape: the plain prefix instead
             a = b = render(messages[:k], False)
-        at = len(os.path.commonprefix([a, b]))
-        token = int(np.searchsorted(token_starts, at, side="right")) - 1
-        if token >= 0 and token_starts[token] < at < token_ends[token]:
-            at = int(token_starts[token])  # inside a header token (`<｜User｜>`): its start
-        else:
-            before = token if token >= 0 and token_ends[token] == at else token - 1
-            if before >= 0 and token_ends[before] == at and control[before]:
-                at = int(token_starts[before])  # after a header's opening (`<|im_start|>`)
-        agree = min(len(os.path.commonprefix([a, text])), len(os.path.commonprefix([b, text])))
-        previous = max(previous, min(at, agree))
+        at = _snap(len(os.path.commonprefix([a, b])), token_starts, token_ends, control)
+        agree_a, agree_b = (len(os.path.commonprefix([x, text])) for x in (a, b))
+        if min(agree_a, agree_b) < at or (opener and not text.startswith(opener, at)):
+            # a probe changed the text before message k (Qwen3 moves its last query to a user
+            # probe): the probe that reproduces the text furthest parts from it inside message
+            # k's header or content; k starts at the header opening (`<|im_start|>`) before
+            furthest = max(agree_a, agree_b)
+            found = text.rfind(opener, previous, furthest + 1) if opener else -1
+            at = found if found >= 0 else _snap(furthest, token_starts, token_ends, control)
+        previous = max(previous, at)
         if messages[k - 1].get("role") == "tool":  # DeepSeek closes the results in the next turn
             previous = _past_tool_markup(text, previous, token_starts, token_ends, control)
         starts.append(previous)
     return starts
+
+
+def _snap(at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np.ndarray) -> int:
+    """A header boundary moved to whole tokens: inside a token (`<｜User｜>`), its start; right
+    after a control token that opens a header (`<|im_start|>`), that token's start."""
+    token = int(np.searchsorted(token_starts, at, side="right")) - 1
+    if token >= 0 and token_starts[token] < at < token_ends[token]:
+        return int(token_starts[token])
+    before = token if token >= 0 and token_ends[token] == at else token - 1
+    if before >= 0 and token_ends[before] == at and control[before]:
+        return int(token_starts[before])
+    return at
+
+
+def _header_opener(render: Render) -> str | None:
+    """The text that opens every header (`<|im_start|>`), from two one-message renderings:
+    what they share before their roles part, back to where the last line or token began."""
+    try:
+        user = render([{"role": "user", "content": "\ue000"}], False)
+        assistant = render([{"role": "assistant", "content": "\ue000"}], False)
+    except Exception:
+        return None
+    shared = os.path.commonprefix([user, assistant])
+    opener = re.findall(r"<[^<>]*>$|<\|[^|]*\|>$", shared)
+    return opener[0] if opener else None
 
 
 def _past_tool_markup(

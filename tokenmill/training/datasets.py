@@ -440,7 +440,7 @@ def _load_store(
     written = Path(load_path).is_dir() and read_manifest(Path(load_path)) is not None
     if storage_type != "jsonl" or written:  # shards, or JSONL the pipeline already tokenized
         store.load(load_path)
-    elif train_type in ("dpo", "grpo") and tokenizer_path is not None:
+    elif train_type in ("dpo", "kto", "grpo") and tokenizer_path is not None:
         store.load(load_path, processor=record_processor(train_type, tokenizer_path))
     else:
         store.load(load_path, tokenizer_path=tokenizer_path)
