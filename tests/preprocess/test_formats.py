@@ -372,3 +372,25 @@ def test_an_implicit_text_prompt_is_cut_where_trl_cuts_it():
         out = masker.process({"chosen": chosen, "rejected": rejected})
         trained = out["chosen"][out["chosen_mask"]].tolist()
         assert bundle.tokenizer.decode(trained) == reply
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+def test_a_tool_chat_opening_with_a_call_keeps_the_preamble_masked(family, oracles):
+    """The default system prompt and the tools block before the first message never train."""
+    bundle = load_tokenizer(TOKENIZERS / family)
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
+    messages = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "22 C"},
+        {"role": "assistant", "content": "22 C."},
+    ]
+    out = RecordMasker(chat_config(), bundle).process({"messages": messages, "tools": tools})
+    assert out["sequence"].tolist() == oracle_ids(oracles[family], messages, tools=tools)
+    runs = trained_runs(bundle, out["sequence"], out["loss_mask"])
+    assert len(runs) == 2 and all(r.startswith("<|im_start|>assistant\n") for r in runs)

@@ -72,32 +72,61 @@ def render_conversation(
     table = _added_table(bundle.tokenizer)
     is_control = table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
     control = (first_char[is_control], offsets[is_control, 1])
-    glue = _marker_glue(render, messages, add_generation_prompt)
     tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-    try:
-        located = _locate_by_glue(text, messages, glue) if glue else None
-        if located is None:  # the template shapes its text around the content: search for it
-            found = _locate_contents(text, messages, prompt_start, control)
-            located = _place_empty_contents(render, messages, text, found, add_generation_prompt)
-        tails = _role_tails(render, messages, actions, glue) if glue else None
-        span_starts = _span_starts(text, located, prompt_start, first_char, tails)
-        span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
-        if span_starts[0] == 0 and glue:
-            span_starts[0] = _probe_first_header(
-                render, messages, glue, text, prompt_start, first_char
-            )
-    except ValueError:
-        if not tooling:
-            raise
-        span_starts = [0] * len(messages)  # message 0 then owns the preamble: never trained
-    if tooling:  # tool calls and results: each message's span is what it adds to the rendering
-        span_starts[1:] = _prefix_starts(
-            render, messages, text, span_starts[0], first_char, offsets[:, 1], is_control
+    opener = _header_opener(render) if tooling else None
+    if opener:  # tool calls and results: each message's span is what it adds to the rendering
+        later = _prefix_starts(
+            render, messages, text, 0, first_char, offsets[:, 1], is_control, opener
         )
+        # message 0 starts at its header: the preamble before it (a default system prompt,
+        # the tools block) is never trained
+        head = text.rfind(opener, 0, later[0] if later else prompt_start)
+        span_starts = [max(head, 0), *later]
+    else:
+        try:
+            span_starts = _content_starts(
+                render, bundle, messages, actions, text, prompt_start, first_char, control,
+                add_generation_prompt,
+            )  # fmt: skip
+        except ValueError:
+            if not tooling:
+                raise
+            span_starts = [0] * len(messages)  # message 0 owns the preamble: never trained
+        if tooling:  # no header opening to find (DeepSeek): the prefix probes alone
+            span_starts[1:] = _prefix_starts(
+                render, messages, text, span_starts[0], first_char, offsets[:, 1], is_control,
+                None,
+            )  # fmt: skip
     starts = np.asarray([0, *span_starts])  # span 0: the template's preamble, never trained
     owner = np.searchsorted(starts, first_char, side="right") - 1
     mask = np.asarray([False, *actions], dtype=bool)[owner] & (first_char < prompt_start)
     return _with_bos(bundle, ids, mask)
+
+
+def _content_starts(
+    render: Render,
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    actions: list[bool],
+    text: str,
+    prompt_start: int,
+    first_char: np.ndarray,
+    control: tuple[np.ndarray, np.ndarray],
+    add_generation_prompt: bool,
+) -> list[int]:
+    """Where each message's span starts, from where its content sits in the rendering: located
+    through the template's own text around marker contents, or searched for."""
+    glue = _marker_glue(render, messages, add_generation_prompt)
+    located = _locate_by_glue(text, messages, glue) if glue else None
+    if located is None:  # the template shapes its text around the content: search for it
+        found = _locate_contents(text, messages, prompt_start, control)
+        located = _place_empty_contents(render, messages, text, found, add_generation_prompt)
+    tails = _role_tails(render, messages, actions, glue) if glue else None
+    span_starts = _span_starts(text, located, prompt_start, first_char, tails)
+    span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
+    if span_starts[0] == 0 and glue:
+        span_starts[0] = _probe_first_header(render, messages, glue, text, prompt_start, first_char)
+    return span_starts
 
 
 def _with_bos(
@@ -122,6 +151,7 @@ def _prefix_starts(
     token_starts: np.ndarray,
     token_ends: np.ndarray,
     control: np.ndarray,
+    opener: str | None,
 ) -> list[int]:
     """Where messages 1..n-1 start: where the rendering of the messages before each one stops
     agreeing with the full rendering. So a tool call stays in its assistant turn and a tool
@@ -133,7 +163,6 @@ def _prefix_starts(
     message k-1 is not the last one: templates render a last turn differently); the two
     renderings part where message k's header would start."""
     starts, previous = [], first
-    opener = _header_opener(render)
     for k in range(1, len(messages)):
         mark = _CONTENT_MARK.format(k)
         try:
