@@ -428,3 +428,50 @@ def test_filters_are_counted_not_fatal_even_under_raise(tmp_path):
         assert ledger.records_read == 2 and ledger.records_written == 1
     assert sum(d["tokens_read"] for d in summary.domains.values()) == summary.tokens_read
     assert "domain fr:" in summary.format() and "no_trained_tokens" in summary.format()
+
+
+def test_overwrite_never_removes_what_tokenmill_did_not_write(tmp_path):
+    """--overwrite replaces a tokenmill output only, and no output may hold an input."""
+    src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "in.jsonl", 3)
+    with pytest.raises(ValueError, match=f"{tmp_path} contains the input {src}"):
+        Pipeline(config("sft"), [src], tmp_path, QWEN, workers=1, overwrite=True).run()
+    assert src.exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="is not a tokenmill output"):
+        Pipeline(config("sft"), [src], mine, QWEN, workers=1, overwrite=True).run()
+    assert (mine / "notes.txt").read_text() == "keep me"
+    out = tmp_path / "out"
+    Pipeline(config("sft"), [src], out, QWEN, workers=1).run()
+    Pipeline(
+        config("sft", preprocessing={"min_chars": 0}), [src], out, QWEN, workers=1, overwrite=True
+    ).run()
+    assert read_manifest(out)["config"]["preprocessing"]["min_chars"] == 0
+
+
+def test_a_run_killed_before_it_wrote_anything_starts_afresh(tmp_path):
+    src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out"
+    (out / ".tokenmill-run").mkdir(parents=True)  # what a kill before the run id leaves
+    summary = Pipeline(config("sft"), [src], out, QWEN, workers=1).run()
+    assert summary.records_read == 3 and read_manifest(out) is not None
+
+
+def test_values_and_domains_that_cannot_be_stored_are_named(tmp_path):
+    grpo = {"prompt": [{"role": "user", "content": "Say hi."}], "responses": ["hi", "yo"]}
+    src = tmp_path / "grpo.jsonl"
+    src.write_text(json.dumps({**grpo, "rewards": [1e39, 0]}) + "\n")
+    with pytest.raises(
+        RecordError, match=r"grpo.jsonl:1: rewards\[0\]: 1e\+39 is beyond the range of float32"
+    ):
+        Pipeline(config("grpo"), [src], tmp_path / "g", QWEN, workers=1).run()
+    for name in ("manifest.json", "rejects.jsonl", "web.tmp-1", "shard_00001", ".tokenmill-run"):
+        src = tmp_path / "sft.jsonl"
+        text = "A question that is long enough to pass the character filter."
+        src.write_text(json.dumps({"lang": name, "messages": [
+            {"role": "user", "content": text}, {"role": "assistant", "content": "Yes."}]}) + "\n")  # fmt: skip
+        with pytest.raises(RecordError, match="lang: domain must be a short name"):
+            Pipeline(
+                config("sft", output={"domain_key": "lang"}), [src], tmp_path / "d", QWEN, workers=1
+            ).run()

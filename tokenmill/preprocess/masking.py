@@ -184,7 +184,7 @@ class RecordMasker:
             if all(s.optional and record.data.get(s.field) is None for s in source.sections):
                 continue  # e.g. GRPO prompts without responses yet: prompts for online generation
             if section.action == "value":
-                values[key] = self._value(record, section)
+                values[key] = self._value(record, section, key)
                 out[key] = values[key]
                 continue
             if source.list_field:
@@ -459,7 +459,7 @@ class RecordMasker:
             mask, section.action != "mask"
         )
 
-    def _value(self, record: Record, section: Section) -> np.ndarray:
+    def _value(self, record: Record, section: Section, key: str) -> np.ndarray:
         value = get_field(record, section.field)
         items = value if isinstance(value, list) else [value]
         for j, v in enumerate(items):
@@ -476,6 +476,9 @@ class RecordMasker:
                 raise RecordError(
                     record.source, record.line, where, f"not a finite number: {v}", "bad_value"
                 )
+            problem = _unrepresentable(v, np.dtype(self.dtypes()[key]))
+            if problem:
+                raise RecordError(record.source, record.line, where, problem, "bad_value")
         return np.asarray(items, dtype=np.float32)
 
     # --- truncation: what a record longer than max_seq_len keeps ------------------------
@@ -542,6 +545,19 @@ def _as_text(section: Section) -> Section:
     return section.model_copy(
         update={"template": False, "action": "train" if trains else "mask", "eos": trains}
     )
+
+
+def _unrepresentable(value: float, dtype: np.dtype) -> str | None:
+    """Why `value` cannot be stored as `dtype` unchanged (1e39 as float32 would be inf)."""
+    if dtype.kind == "f":
+        if abs(value) > float(np.finfo(dtype).max):
+            return f"{value} is beyond the range of {dtype.name}"
+        return None
+    if dtype.kind in "iub":
+        low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        if float(value) != int(value) or not low <= int(value) <= high:
+            return f"{value} is not a {dtype.name} value"
+    return None
 
 
 def _needs_mask(sections: list[Section]) -> bool:

@@ -73,6 +73,11 @@ class Pipeline:
     def run(self) -> Summary:
         start = time.perf_counter()
         files = list_inputs(self.inputs)
+        for file in files:  # the output folder is removed on a bad record or --overwrite
+            if not isinstance(file, str) and self.output_dir in (file, *file.parents):
+                raise ValueError(
+                    f"{self.output_dir} contains the input {file}; write the output elsewhere"
+                )
         bundle = load_tokenizer(self.tokenizer_path)
         masker = RecordMasker(self.config, bundle)  # validates that the tokenizer suits the config
         inputs = [[str(f), *input_identity(f)] for f in files]  # read once: the run's own view
@@ -202,8 +207,15 @@ class Pipeline:
     def _prepare_output(self, run_id: str, inputs: list[list]) -> Summary | None:
         """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""
         out = self.output_dir
-        if self.overwrite and out.exists():
+        if self.overwrite and out.exists() and any(out.iterdir()):
+            if read_manifest(out) is None and not (out / STATE_DIR).is_dir():
+                raise FileExistsError(
+                    f"{out} is not a tokenmill output (no manifest.json, no {STATE_DIR}/): "
+                    "--overwrite replaces only what tokenmill wrote; remove it yourself"
+                )
             shutil.rmtree(out)
+        if Journal.never_started(out):  # killed before it wrote anything: start afresh
+            shutil.rmtree(out / STATE_DIR)
         if not out.exists() or not any(out.iterdir()):
             out.mkdir(parents=True, exist_ok=True)
             return None

@@ -123,10 +123,19 @@ class Journal:
         self.path = self.dir / "journal.jsonl"
         self.dir.mkdir(parents=True, exist_ok=True)
         id_file = self.dir / "run_id"
-        if not id_file.exists():
-            (self.dir / "inputs.json").write_bytes(orjson.dumps(inputs or []))
-            id_file.write_text(run_id)
+        if not id_file.exists():  # run_id first: a kill before inputs.json still resumes
+            write_atomic(id_file, run_id.encode())
+            write_atomic(self.dir / "inputs.json", orjson.dumps(inputs or []))
         self._file = open(self.path, "ab")
+
+    @staticmethod
+    def never_started(output_dir: Path) -> bool:
+        """An output holding only a run folder without its run_id: a run killed before it
+        wrote anything, which nothing can resume."""
+        out, state = Path(output_dir), Path(output_dir) / STATE_DIR
+        if not state.is_dir() or (state / "run_id").exists():
+            return False
+        return all(p == state for p in out.iterdir())
 
     @staticmethod
     def run_id_of(output_dir: Path) -> str | None:
