@@ -543,3 +543,32 @@ def test_lazy_line_index_across_chunk_boundaries(tmp_path):
 def test_store_factory_takes_the_seed_positional_call_shape():
     store = StoreFactory.create("bin", 2048, 1024)
     assert (store.window_size, store.stride) == (2048, 1024)
+
+
+def test_an_unfinished_run_is_refused_and_unlisted_shards_ignored(tmp_path):
+    """A tokenmill output loads only when complete; shard folders its manifest does not list
+    (a copied shard, a backup/ folder) are left out, with a warning naming them."""
+    from tokenmill.preprocess.config import PipelineConfig, default_config
+    from tokenmill.preprocess.pipeline import Pipeline
+
+    src = tmp_path / "in.jsonl"
+    with open(ROOT / "data" / "pretrain_c4_300.jsonl", encoding="utf-8") as f:
+        src.write_text("".join(next(f) for _ in range(20)))
+    out = tmp_path / "out"
+    cfg = default_config("seq").model_dump(mode="json")
+    cfg["output"]["max_tokens_per_shard"] = 4000
+    Pipeline(
+        PipelineConfig.from_dict(cfg), [src], out, ROOT / "data/tokenizers/qwen2.5", workers=1
+    ).run()
+    whole = MmapStore().load(out)
+    shutil.copytree(out / "shard_00000", out / "backup" / "shard_00000")
+    with pytest.warns(UserWarning, match=r"does not list: \['backup/shard_00000'\]"):
+        again = MmapStore().load(out)
+    assert again.token_count == whole.token_count and again.num_records == whole.num_records
+    (out / "manifest.json").rename(tmp_path / "manifest.json")  # as a killed run leaves it
+    (out / ".tokenmill-run").mkdir()
+    shutil.rmtree(out / "backup")
+    with pytest.raises(ValueError, match="has not finished .* re-run the same preprocess command"):
+        MmapStore().load(out)
+    with pytest.warns(UserWarning, match="unfinished run"):
+        assert MmapStore().load(out, allow_partial=True).token_count == whole.token_count

@@ -21,9 +21,8 @@ from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
-from tokenmill.preprocess.runlog import STATE_DIR
 from tokenmill.preprocess.tokenizer import load_tokenizer
-from tokenmill.shards.format import TMP_MARK, row_tokens, trained_count
+from tokenmill.shards.format import RUN_DIR, TMP_MARK, row_tokens, trained_count
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # names a dataset folder already uses for its own files: never a domain folder
@@ -184,7 +183,7 @@ def _domain(record: Record, config: PipelineConfig) -> str:
     if key is None:
         return ""
     value = get_field(record, key)
-    reserved = value in ("manifest.json", "rejects.jsonl", STATE_DIR) or (
+    reserved = value in ("manifest.json", "rejects.jsonl", RUN_DIR) or (
         isinstance(value, str) and (TMP_MARK in value or _SHARD_NAME.match(value) is not None)
     )
     if not isinstance(value, str) or not _SAFE_DOMAIN.match(value) or reserved:

@@ -26,10 +26,10 @@ from tokenmill.preprocess.engine import make_engine
 from tokenmill.preprocess.inputs import InputPath, input_identity, list_inputs
 from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
 from tokenmill.preprocess.records import ON_ERROR, RecordError
-from tokenmill.preprocess.runlog import STATE_DIR, Journal, ResumeState, Summary
+from tokenmill.preprocess.runlog import Journal, ResumeState, Summary
 from tokenmill.preprocess.tokenizer import load_tokenizer
 from tokenmill.shards.files import write_atomic
-from tokenmill.shards.format import natural_key
+from tokenmill.shards.format import RUN_DIR, natural_key
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.shards.writer import ShardWriter
 
@@ -208,20 +208,20 @@ class Pipeline:
         """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""
         out = self.output_dir
         if self.overwrite and out.exists() and any(out.iterdir()):
-            if read_manifest(out) is None and not (out / STATE_DIR).is_dir():
+            if read_manifest(out) is None and not (out / RUN_DIR).is_dir():
                 raise FileExistsError(
-                    f"{out} is not a tokenmill output (no manifest.json, no {STATE_DIR}/): "
+                    f"{out} is not a tokenmill output (no manifest.json, no {RUN_DIR}/): "
                     "--overwrite replaces only what tokenmill wrote; remove it yourself"
                 )
             shutil.rmtree(out)
         if Journal.never_started(out):  # killed before it wrote anything: start afresh
-            shutil.rmtree(out / STATE_DIR)
+            shutil.rmtree(out / RUN_DIR)
         if not out.exists() or not any(out.iterdir()):
             out.mkdir(parents=True, exist_ok=True)
             return None
         manifest = read_manifest(out)
         if manifest is not None and manifest.get("run_id") == run_id:
-            shutil.rmtree(out / STATE_DIR, ignore_errors=True)  # a crash right after the manifest
+            shutil.rmtree(out / RUN_DIR, ignore_errors=True)  # a crash right after the manifest
             return Summary(**manifest["summary"])  # the same job already finished: nothing to do
         if manifest is None and Journal.run_id_of(out) == run_id:
             return None  # an interrupted run of this same job: resume it

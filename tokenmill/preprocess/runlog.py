@@ -18,13 +18,10 @@ import orjson
 
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.shards.files import write_atomic
-from tokenmill.shards.format import TMP_MARK, checksum, row_tokens, shard_records
+from tokenmill.shards.format import RUN_DIR, TMP_MARK, checksum, row_tokens, shard_records
 from tokenmill.shards.reader import find_shards, read_meta
 
 FIRST_ERRORS_PER_REASON = 5
-
-
-STATE_DIR = ".tokenmill-run"
 
 
 @dataclass
@@ -119,7 +116,7 @@ class Journal:
     """Append-only log of consumed chunks in OUT/.tokenmill-run/, removed when the manifest lands."""
 
     def __init__(self, output_dir: Path, run_id: str, inputs: list[list] | None = None):
-        self.dir = Path(output_dir) / STATE_DIR
+        self.dir = Path(output_dir) / RUN_DIR
         self.path = self.dir / "journal.jsonl"
         self.dir.mkdir(parents=True, exist_ok=True)
         id_file = self.dir / "run_id"
@@ -132,21 +129,21 @@ class Journal:
     def never_started(output_dir: Path) -> bool:
         """An output holding only a run folder without its run_id: a run killed before it
         wrote anything, which nothing can resume."""
-        out, state = Path(output_dir), Path(output_dir) / STATE_DIR
+        out, state = Path(output_dir), Path(output_dir) / RUN_DIR
         if not state.is_dir() or (state / "run_id").exists():
             return False
         return all(p == state for p in out.iterdir())
 
     @staticmethod
     def run_id_of(output_dir: Path) -> str | None:
-        path = Path(output_dir) / STATE_DIR / "run_id"
+        path = Path(output_dir) / RUN_DIR / "run_id"
         return path.read_text() if path.exists() else None
 
     @staticmethod
     def changed_inputs(output_dir: Path, inputs: list[list]) -> list[str]:
         """What differs between the inputs (path, bytes, stamp) of the interrupted run in
         output_dir and `inputs`, in words; [] if that run left no list."""
-        path = Path(output_dir) / STATE_DIR / "inputs.json"
+        path = Path(output_dir) / RUN_DIR / "inputs.json"
         if not path.exists():
             return []
         before = {row[0]: row[1:] for row in orjson.loads(path.read_bytes())}

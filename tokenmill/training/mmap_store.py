@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
-from tokenmill.shards.format import shard_records
+from tokenmill.shards.format import RUN_DIR, shard_records
 from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
 from tokenmill.shards.verify import verify_dataset
@@ -27,10 +28,14 @@ class MmapStore(Store):
         transform: Transform | None = None,
         processor: Transform | None = None,
         tokenizer_path: str | Path | None = None,
+        allow_partial: bool = False,
     ) -> MmapStore:
         """Maps the shards below `path`; checks every file's size against meta.json.
 
-        `tokenizer_path` is accepted and unused: shards are already tokenized.
+        A tokenmill output whose run has not finished (its run folder, no manifest) is refused
+        unless `allow_partial`; shard folders the manifest does not list are ignored, with a
+        warning naming them. Shards written by other tools in the seed's format (no manifest,
+        no run folder) load as they are. `tokenizer_path` is accepted and unused.
         """
         if transform is not None or processor is not None:
             raise ValueError(
@@ -40,10 +45,18 @@ class MmapStore(Store):
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: not a folder of shards")
         self.manifest = read_manifest(root)
+        if self.manifest is None and (root / RUN_DIR).is_dir():
+            if not allow_partial:
+                raise ValueError(
+                    f"{root}: the tokenmill run writing this dataset has not finished (no "
+                    f"manifest.json, {RUN_DIR}/ present): re-run the same preprocess command "
+                    "to finish it, or load(..., allow_partial=True) to read what is there"
+                )
+            warnings.warn(f"{root}: loading an unfinished run's shards", stacklevel=2)
         shards = find_shards(root)
         if not shards:
             raise FileNotFoundError(f"{root}: no shard (a folder with meta.json) below it")
-        self._check_manifest(root, shards)
+        shards = self._check_manifest(root, shards)
         self.root = root
         self._metas = [
             (str(d.relative_to(root)) if d != root else ".", read_meta(d)) for d in shards
@@ -51,9 +64,10 @@ class MmapStore(Store):
         self._map()
         return self
 
-    def _check_manifest(self, root: Path, shards: list[Path]) -> None:
+    def _check_manifest(self, root: Path, shards: list[Path]) -> list[Path]:
+        """The shards to read: the manifest's, all present; others ignored with a warning."""
         if not self.manifest:
-            return
+            return shards
         names = {rel for rel, _ in listed(self.manifest)}
         found = {d.relative_to(root).as_posix() for d in shards}
         missing = sorted(n for n in names - found if not n.endswith(".jsonl"))
@@ -61,6 +75,13 @@ class MmapStore(Store):
             raise ValueError(
                 f"{root}: shards listed in manifest.json are missing: {missing[:5]}; run `tokenmill verify {root}`"
             )
+        unlisted = sorted(found - names)
+        if unlisted:
+            warnings.warn(
+                f"{root}: ignoring shard folders manifest.json does not list: {unlisted[:5]}",
+                stacklevel=3,
+            )
+        return [d for d in shards if d.relative_to(root).as_posix() in names]
 
     def _map(self) -> None:
         self._set_views(
