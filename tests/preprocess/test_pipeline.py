@@ -475,3 +475,36 @@ def test_values_and_domains_that_cannot_be_stored_are_named(tmp_path):
             Pipeline(
                 config("sft", output={"domain_key": "lang"}), [src], tmp_path / "d", QWEN, workers=1
             ).run()
+
+
+@pytest.mark.slow
+def test_pool_workers_exit_when_their_parent_is_killed(tmp_path):
+    """As the kernel's OOM killer would: SIGKILL the preprocessing parent; its pool workers
+    are gone within seconds instead of holding their memory forever."""
+    for i in range(6):
+        (tmp_path / f"part{i}.jsonl").write_bytes((DATA / "chat_sharegpt_1000.jsonl").read_bytes())
+    cmd = [sys.executable, "-m", "tokenmill", "preprocess", str(tmp_path), "-o", str(tmp_path / "out"),
+           "--type", "sft", "--tokenizer", str(QWEN), "--workers", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def children() -> list[int]:
+        found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+        return [int(pid) for pid in found.stdout.split()]
+
+    deadline = time.time() + 60
+    while len(children()) < 2 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    workers = children()
+    assert len(workers) >= 2 and proc.poll() is None, (
+        "the run ended before its workers could be seen"
+    )
+    time.sleep(1.0)  # the workers are set up and working
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their parent"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 from collections import deque
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -53,6 +55,21 @@ def make_engine(name: str, workers: int | None, ray_address: str | None = None) 
     return LocalEngine(workers)
 
 
+def _pool_worker(parent: int, config_data: dict, tokenizer_path: str) -> None:
+    """A pool worker: set up, and gone within a second of its parent's death (the kernel's
+    OOM killer does not stop a pool's workers; each holds a tokenizer's memory)."""
+    from tokenmill.preprocess.chunks import setup_worker
+
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    setup_worker(config_data, tokenizer_path)
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
 class LocalEngine:
     """Chunks processed by `workers` spawned processes (default: every core), in chunk order."""
 
@@ -81,11 +98,10 @@ class LocalEngine:
             for chunk in chain(first, chunks):
                 yield process_chunk(chunk)
             return
-        ctx = get_context(
-            "spawn"
-        )  # safe beside a parent that already runs torch or tokenizer threads
+        ctx = get_context("spawn")  # safe beside a parent running torch or tokenizer threads
+        setup = (os.getpid(), *args)
         with ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=setup_worker, initargs=args
+            workers, mp_context=ctx, initializer=_pool_worker, initargs=setup
         ) as pool:
             pending: deque[Future[ChunkResult]] = deque()
             for chunk in chain(first, chunks):
