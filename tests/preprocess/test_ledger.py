@@ -65,6 +65,18 @@ def runs(draw):
     return PipelineConfig.from_dict(data), draw(st.sampled_from(sorted(BUNDLES))), records
 
 
+def raw_chars(record: dict, fields: list[str]) -> int:
+    """Characters of the named fields' text (strings, message contents), nothing rendered."""
+    total = 0
+    for field in fields:
+        value = record.get(field)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, dict):
+                item = item.get("content")
+            total += len(item) if isinstance(item, str) else 0
+    return total
+
+
 def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) -> int:
     """The oracle for tokens read: every record rendered whole (no cut, no filter, every role
     trained so nothing is dropped for training nothing), malformed ones counting 0."""
@@ -74,8 +86,12 @@ def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) ->
     )
     data["mask"], data["mask_default"] = {"system": "train", "user": "train"}, "train"
     whole = RecordMasker(PipelineConfig.from_dict(data), BUNDLES[family])
+    fields = [s.field for s in config.input.sections]
+    fields += [s.field for src in (config.input.sources or {}).values() for s in src.sections]
     total = 0
     for record in records:
+        if raw_chars(record, fields) > config.preprocessing.max_chars:
+            continue  # dropped as too long before it is tokenized
         try:
             out = whole.process(record)
         except ValueError:
@@ -128,3 +144,15 @@ def test_pretraining_keeps_every_token_of_the_shipped_shakespeare(tmp_path):
     assert summary.ledger().unbalanced() == []
     rows = store.record_lengths("sequence")
     assert (rows[:-1] == default_config("seq").preprocessing.max_packed_len).all()
+
+
+def test_a_record_too_long_is_dropped_before_it_is_tokenized():
+    """Issue 16's 50 MB record: counted too_long with no token made (memory stays flat)."""
+    data = default_config("seq").model_dump(mode="json")
+    data["preprocessing"]["max_chars"] = 1_000_000
+    masker = RecordMasker(PipelineConfig.from_dict(data), BUNDLES["qwen2.5"])
+    chunk = Chunk(0, [Record("big.jsonl", 1, {"text": "word " * 1_000_000})])
+    result = process_chunk(chunk, masker)
+    ledger = result.ledgers[""]
+    assert ledger.dropped == {"too_long": {"records": 1, "tokens": 0}} and ledger.tokens_read == 0
+    assert "5000000 characters, more than max_chars=1000000" in str(result.errors[0])

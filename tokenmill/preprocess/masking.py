@@ -131,6 +131,8 @@ class RecordMasker:
             )
         tally = Tally()
         try:
+            # too long before a token is made: a 50 MB record is never tokenized
+            self._check_chars(record, 0, self._raw_chars(record))
             try:
                 out = self._outputs(record, tally)
             except RecordError as err:
@@ -518,8 +520,30 @@ class RecordMasker:
         ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
         return Part(part.section, part.field, part.first, ids, mask, messages, actions)
 
-    def _check_chars(self, record: Record, chars: int) -> None:
+    def _raw_chars(self, record: Record) -> int:
+        """The characters of the record's text fields, counted without rendering anything."""
+        sections = [*self.config.input.sections]
+        sections += [s for src in (self.config.input.sources or {}).values() for s in src.sections]
+        total = 0
+        for section in sections:
+            value = record.data.get(section.field) if "." not in section.field else None
+            items = value if isinstance(value, list) else [value]
+            for item in items:
+                if isinstance(item, str):
+                    total += len(item)
+                elif isinstance(item, dict):  # a chat message: its text
+                    text = item.get("content", item.get("value"))
+                    total += len(text) if isinstance(text, str) else 0
+        return total
+
+    def _check_chars(self, record: Record, chars: int, raw: int | None = None) -> None:
+        """The length filter: on the rendered text's characters, or (`raw`) before any
+        rendering, where only a record too long to tokenize is dropped."""
         pre = self.config.preprocessing
+        if raw is not None:
+            chars = raw
+            if chars <= pre.max_chars:
+                return
         if chars < pre.min_chars:
             raise RecordError(
                 record.source,
