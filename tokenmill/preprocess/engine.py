@@ -31,6 +31,9 @@ ENGINES = ("local", "ray")
 
 
 class Engine(Protocol):
+    """`collect_errors`: read errors travel in each chunk instead of raising at the read; the
+    Ray engine always collects them, and the pipeline decides what an error stops."""
+
     def session(self) -> contextlib.AbstractContextManager[Any]: ...
 
     def results(
