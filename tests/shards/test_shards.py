@@ -57,7 +57,12 @@ def test_stream_keys_written_exactly(tmp_path):
     infos = write_dataset(
         tmp_path, [sft_record([5, 6, 7]), sft_record([8, 9]), sft_record([1, 2, 3, 4])]
     )
+    meta_xxh64 = infos[0].pop("meta_xxh64")  # the manifest covers meta.json too
     assert infos == [{"name": "shard_00000", "records": 3, "tokens": 9, "keys": list(SFT)}]
+    assert (
+        meta_xxh64
+        == xxhash.xxh64((tmp_path / "shard_00000" / "meta.json").read_bytes()).hexdigest()
+    )
     shard = tmp_path / "shard_00000"
     assert sorted(p.name for p in shard.iterdir()) == [
         "loss_mask.bin", "loss_mask.offsets.bin", "meta.json", "position_ids.bin",
@@ -252,6 +257,7 @@ def test_verify_finds_flipped_byte_truncation_and_bad_offsets(tmp_path):
         "shard_00001/loss_mask.offsets.bin: key 'loss_mask': offsets[1] = 7 out of range [0, 5]",
         "shard_00001/position_ids.bin: key 'position_ids': 8 bytes, expected 20 "
         "(shape [5] of int32): truncated or overwritten",
+        "shard_00001/meta.json: edited since it was written (xxh64 differs from manifest.json)",
     ]
 
 
@@ -267,6 +273,7 @@ def test_verify_finds_unordered_offsets_and_manifest_disagreement(tmp_path):
     write_manifest(tmp_path, manifest)
     assert verify_dataset(tmp_path) == [
         "shard_00000/meta.json: key 'sequence' (inline): offsets not monotonic: [1] = 5 > [2] = 3",
+        "shard_00000/meta.json: edited since it was written (xxh64 differs from manifest.json)",
         "shard_00001: manifest.json says 99 tokens, meta.json has 5",
         "shard_00002: listed in manifest.json but missing",
         "extra: shard not listed in manifest.json",

@@ -572,3 +572,24 @@ def test_an_unfinished_run_is_refused_and_unlisted_shards_ignored(tmp_path):
         MmapStore().load(out)
     with pytest.warns(UserWarning, match="unfinished run"):
         assert MmapStore().load(out, allow_partial=True).token_count == whole.token_count
+
+
+def test_an_edited_meta_json_is_caught_at_load_and_by_verify(tmp_path):
+    """Issue 16's probe: a meta.json dtype edited from int32 to float32 made every token read
+    as 0, and passed even verify. The manifest now covers meta.json."""
+    from tokenmill.preprocess.config import default_config
+    from tokenmill.preprocess.pipeline import Pipeline
+
+    src = tmp_path / "in.jsonl"
+    with open(ROOT / "data" / "pretrain_c4_300.jsonl", encoding="utf-8") as f:
+        src.write_text("".join(next(f) for _ in range(5)))
+    out = tmp_path / "out"
+    Pipeline(default_config("seq"), [src], out, ROOT / "data/tokenizers/qwen2.5", workers=1).run()
+    meta_file = out / "shard_00000" / "meta.json"
+    meta_file.write_text(meta_file.read_text().replace('"int32"', '"float32"', 1))
+    problems = verify_dataset(out)
+    assert problems == [
+        "shard_00000/meta.json: edited since it was written (xxh64 differs from manifest.json)"
+    ]
+    with pytest.raises(ValueError, match=r"meta.json of \['shard_00000'\] edited since written"):
+        MmapStore().load(out)

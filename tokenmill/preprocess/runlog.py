@@ -239,6 +239,7 @@ def published_shards(domain_dir: Path, primary: str) -> list[dict]:
                 "records": shard_records(meta),
                 "tokens": meta[primary]["shape"][0],
                 "keys": list(meta),
+                "meta_xxh64": checksum((shard / "meta.json").read_bytes()),
             }
         )
     for part in sorted(domain_dir.glob("part_*.jsonl")):

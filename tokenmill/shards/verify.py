@@ -154,6 +154,11 @@ def _verify_manifest(root: Path, manifest: dict, found: dict[str, dict]) -> list
             problems.append(f"{rel}: listed in manifest.json but missing")
         elif found[rel]:
             meta = found[rel]
+            if "meta_xxh64" in info:
+                if checksum((root / rel / "meta.json").read_bytes()) != info["meta_xxh64"]:
+                    problems.append(
+                        f"{rel}/meta.json: edited since it was written (xxh64 differs from manifest.json)"
+                    )
             primary = manifest.get("primary_key")
             tokens = meta[primary if primary in meta else primary_key(list(meta))]["shape"][0]
             for what, have in (("records", shard_records(meta)), ("tokens", tokens)):

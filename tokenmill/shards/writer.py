@@ -178,7 +178,8 @@ class ShardWriter:
             tmp, extra = stage_part(final, self.lines)
         else:
             tmp, _ = stage_shard(final, self.buffer.build(), self.buffer.dtypes)
-            extra = {}
+            # the manifest covers meta.json too: an edited dtype or shape is caught at load
+            extra = {"meta_xxh64": checksum((tmp / "meta.json").read_bytes())}
         info = {
             "name": name,
             "records": self.buffer.records,

@@ -11,7 +11,7 @@ import json
 import warnings
 from pathlib import Path
 
-from tokenmill.shards.format import RUN_DIR, shard_records
+from tokenmill.shards.format import RUN_DIR, checksum, shard_records
 from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
 from tokenmill.shards.verify import verify_dataset
@@ -74,6 +74,17 @@ class MmapStore(Store):
         if missing:
             raise ValueError(
                 f"{root}: shards listed in manifest.json are missing: {missing[:5]}; run `tokenmill verify {root}`"
+            )
+        edited = [
+            rel
+            for rel, info in listed(self.manifest)
+            if "meta_xxh64" in info
+            and checksum((root / rel / "meta.json").read_bytes()) != info["meta_xxh64"]
+        ]
+        if edited:
+            raise ValueError(
+                f"{root}: meta.json of {edited[:5]} edited since written (its xxh64 differs from "
+                f"manifest.json's); run `tokenmill verify {root}`"
             )
         unlisted = sorted(found - names)
         if unlisted:
