@@ -181,3 +181,25 @@ def test_console_script_runs():
         [sys.executable, "-m", "tokenmill", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "preprocess" in out.stdout and "inspect" in out.stdout
+
+
+def test_a_run_that_drops_every_record_exits_non_zero(capsys, tmp_path):
+    """Issue 16: an all-rejected run used to exit 0 with a dataset verify rejects."""
+    src = tmp_path / "short.jsonl"
+    src.write_text('{"text": "too short"}\n{"text": "also short"}\n')
+    out = tmp_path / "out"
+    code, printed, err = run(
+        capsys,
+        "preprocess",
+        src,
+        "-o",
+        out,
+        "--type",
+        "seq",
+        "--tokenizer",
+        ROOT / "data/tokenizers/qwen2.5",
+    )
+    assert code == 1 and "records skipped             2  (too_short: 2)" in printed
+    assert f"no record written: all 2 dropped; see {out / 'rejects.jsonl'}" in err
+    code, printed, _ = run(capsys, "verify", out)
+    assert code == 1 and "the run wrote no record" in printed

@@ -56,7 +56,13 @@ def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
     elif require_manifest:
         problems.append("manifest.json: missing, so the run that wrote this dataset did not finish")
     if not found and not (manifest or {}).get("domains"):
-        problems.append(f"{root}: no shards found")
+        written = ((manifest or {}).get("summary") or {}).get("records_written")
+        why = (
+            " (the run wrote no record: all were dropped; see rejects.jsonl)"
+            if written == 0
+            else ""
+        )
+        problems.append(f"{root}: no shards found{why}")
     return problems
 
 

@@ -111,6 +111,13 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         ray_address=args.ray_address,
     ).run()
     print(summary.format())
+    if not summary.records_written:  # a run that leaves nothing to train on is not a success
+        print(
+            f"tokenmill preprocess: no record written: all {summary.records_read} dropped; "
+            f"see {Path(args.output) / 'rejects.jsonl'}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
