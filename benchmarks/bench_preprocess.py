@@ -19,8 +19,9 @@ from pathlib import Path
 import orjson
 
 from tokenmill.preprocess.chat_template import render_text
-from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from tokenmill.shards.format import Column
 from tokenmill.shards.writer import ShardWriter, write_shard
-from tokenmill.training.datasets import DatasetFactory
+from tokenmill.training.dataset_factory import DatasetFactory
 from tokenmill.training.factory import StoreFactory
 
 KEYS = ["sequence", "loss_mask", "position_ids"]

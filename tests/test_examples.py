@@ -5,8 +5,9 @@ import re
 import pytest
 from helpers import ROOT
 
-from tokenmill.preprocess.config import DEFAULT_CONFIGS, PipelineConfig
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.presets import DEFAULT_CONFIGS
 
 PAGE = (ROOT / "docs" / "examples.md").read_text()
 

@@ -26,7 +26,10 @@ ALLOWED = {
 }
 # the only modules through which a folder may reach a sibling it otherwise must not
 NARROW = {
-    ("training", "preprocess"): {"tokenmill.training.jsonl_store", "tokenmill.training.datasets"},
+    ("training", "preprocess"): {
+        "tokenmill.training.jsonl_store",
+        "tokenmill.training.dataset_factory",
+    },
     ("dataflow", "preprocess"): {"tokenmill.dataflow.batchers"},
 }
 NARROW_TARGETS = {("dataflow", "preprocess"): {"tokenmill.preprocess.packing"}}

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "PipelineConfig": "tokenmill.preprocess.config",
-    "default_config": "tokenmill.preprocess.config",
+    "default_config": "tokenmill.preprocess.presets",
     "Pipeline": "tokenmill.preprocess.pipeline",
     "Summary": "tokenmill.preprocess.runlog",
     "RecordError": "tokenmill.preprocess.records",
@@ -24,7 +24,7 @@ _EXPORTS = {
     "MmapStore": "tokenmill.training.mmap_store",
     "JsonlStore": "tokenmill.training.jsonl_store",
     "verify_dataset": "tokenmill.shards.verify",
-    "DatasetFactory": "tokenmill.training.datasets",
+    "DatasetFactory": "tokenmill.training.dataset_factory",
     "SEQDataset": "tokenmill.training.datasets",
     "SFTDataset": "tokenmill.training.datasets",
     "DPODataset": "tokenmill.training.datasets",

@@ -5,7 +5,8 @@ import json
 import pytest
 from helpers import ROOT
 
-from tokenmill.preprocess.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
+from tokenmill.preprocess.config import ConfigError, PipelineConfig
+from tokenmill.preprocess.presets import DEFAULT_CONFIGS, default_config
 
 SFT = {"input": {"sections": [{"field": "messages", "template": True, "action": "$role"}]}}
 

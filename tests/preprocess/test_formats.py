@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from helpers import DATA, TOKENIZERS
 
-from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.fields import check_messages
 from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.tokenizer import load_tokenizer
 
@@ -210,7 +211,7 @@ def test_an_implicit_conversational_prompt_trains_only_the_final_reply(oracles):
 
 def test_grpo_prompt_only_data_gives_prompts_for_online_generation(tmp_path, oracles):
     from tokenmill.preprocess.pipeline import Pipeline
-    from tokenmill.training.datasets import DatasetFactory
+    from tokenmill.training.dataset_factory import DatasetFactory
 
     prompts = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(5)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
@@ -228,7 +229,7 @@ def test_grpo_prompt_only_data_gives_prompts_for_online_generation(tmp_path, ora
 
 
 def test_the_lazy_dpo_route_keeps_the_explicit_prompt(tmp_path, oracles):
-    from tokenmill.training.datasets import DatasetFactory
+    from tokenmill.training.dataset_factory import DatasetFactory
 
     prompt = [{"role": "user", "content": "Name a prime number."}]
     record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "7"}],
@@ -281,7 +282,7 @@ def test_generation_blocks_mark_what_trains_as_transformers_reads_them(tmp_path)
 
 def test_kto_unpaired_preferences_load_with_their_labels(tmp_path, oracles):
     from tokenmill.preprocess.pipeline import Pipeline
-    from tokenmill.training.datasets import DatasetFactory
+    from tokenmill.training.dataset_factory import DatasetFactory
 
     prompt = [{"role": "user", "content": "Name a prime number."}]
     records = [

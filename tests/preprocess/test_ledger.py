@@ -9,11 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.preprocess.chunks import Chunk, process_chunk
-from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.ledger import DROP_REASONS, Ledger
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import PACKING_STRATEGIES
 from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import Record
 from tokenmill.preprocess.tokenizer import load_tokenizer
 from tokenmill.training.factory import StoreFactory

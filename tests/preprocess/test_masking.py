@@ -3,8 +3,9 @@
 import pytest
 from helpers import ROOT
 
-from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import RecordError
 from tokenmill.preprocess.tokenizer import load_tokenizer
 

@@ -15,10 +15,11 @@ import pytest
 from helpers import ROOT
 from malformed import PIPELINE_CASES, PIPELINE_CONFIGS
 
-from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.filters import FILTER_REASONS
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.preprocess.masking import FILTER_REASONS
 from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import RecordError
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards

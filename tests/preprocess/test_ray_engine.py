@@ -14,9 +14,10 @@ import pytest
 from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill.preprocess import ray_engine
-from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess import ray_engine, ray_writer
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.ray_engine import ChunkWorker
 from tokenmill.preprocess.records import RecordError
 from tokenmill.shards.manifest import read_manifest
@@ -174,7 +175,7 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
 def test_a_killed_shard_write_is_retried_and_leaves_no_orphan(tmp_path, ray_address, monkeypatch):
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 40)
     marker = tmp_path / "crashed-once"
-    write_rows = ray_engine.write_rows
+    write_rows = ray_writer.write_rows
 
     def crash_once(domain_dir, index, *args):  # defined here: Ray ships it by value to workers
         tmp, info = write_rows(domain_dir, index, *args)
@@ -183,7 +184,7 @@ def test_a_killed_shard_write_is_retried_and_leaves_no_orphan(tmp_path, ray_addr
             os._exit(1)  # the task's process dies with its temp shard written, not yet published
         return tmp, info
 
-    monkeypatch.setattr(ray_engine, "write_rows", crash_once)
+    monkeypatch.setattr(ray_writer, "write_rows", crash_once)
     cfg = config("seq")
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=1, on_error="skip", engine="ray").run()
     assert marker.exists()

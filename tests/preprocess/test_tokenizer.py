@@ -10,8 +10,8 @@ import shutil
 import pytest
 from helpers import TOKENIZERS
 
-from tokenmill.preprocess.config import default_config
 from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
 
 TEXTS = ["Hello world.", "  leading spaces and\nnew lines", "数据 and δέλτα", ""]

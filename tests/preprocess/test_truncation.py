@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from helpers import DATA, TOKENIZERS
 
-from tokenmill.preprocess.config import PipelineConfig, default_config
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import load_tokenizer

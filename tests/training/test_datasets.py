@@ -17,15 +17,10 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader
 
 from tokenmill.dataflow.collators import SFTPaddingCollator
-from tokenmill.preprocess.config import PipelineConfig, default_config
-from tokenmill.training.datasets import (
-    DATASETS,
-    DatasetFactory,
-    DPODataset,
-    GRPODataset,
-    SEQDataset,
-    SFTDataset,
-)
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.presets import default_config
+from tokenmill.training.dataset_factory import DATASETS, DatasetFactory
+from tokenmill.training.datasets import DPODataset, GRPODataset, SEQDataset, SFTDataset
 
 DATA = ROOT / "data"
 TOKENIZER = DATA / "tokenizers" / "qwen2.5"

@@ -36,8 +36,9 @@ WINDOW, RECORDS = 256, 24
 
 def build_datasets(out: Path) -> None:
     """Real shards of every train type, written by the real pipeline."""
-    from tokenmill.preprocess.config import DEFAULT_CONFIGS, PipelineConfig
+    from tokenmill.preprocess.config import PipelineConfig
     from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.presets import DEFAULT_CONFIGS
 
     for kind, source in SOURCES.items():
         config = copy.deepcopy(DEFAULT_CONFIGS[kind])
@@ -232,7 +233,7 @@ def check_refused(dataset, kind, rank) -> None:
 def main(data: Path, out: Path) -> None:
     import torch.distributed as dist
 
-    from tokenmill.training.datasets import DatasetFactory
+    from tokenmill.training.dataset_factory import DatasetFactory
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime
 from functools import cache
 from typing import Any
@@ -17,6 +18,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.preprocess.tokenizer import TokenizerBundle
+
+Render = Callable[[list[dict], bool], str]  # messages, add_generation_prompt -> rendered text
 
 # Names a message's reasoning arrives under; templates read the first (or `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

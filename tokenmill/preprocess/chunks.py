@@ -16,9 +16,10 @@ import numpy as np
 
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.fields import get_field
+from tokenmill.preprocess.filters import FILTER_REASONS
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
+from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
 from tokenmill.preprocess.tokenizer import load_tokenizer

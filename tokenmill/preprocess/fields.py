@@ -5,9 +5,11 @@ Every failure is a `RecordError` naming the record's file, line and field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 from typing import Any
 
+import numpy as np
 import orjson
 
 from tokenmill.preprocess.records import Record, RecordError, show_value, type_name
@@ -148,3 +150,60 @@ def _message_string(record: Record, where: str, message: dict, key: str) -> str:
             record, field, f"expected a string, got {type_name(value)} {show_value(value)}"
         )
     return value
+
+
+def get_tools(record: Record, field: str | None) -> list[dict] | None:
+    """The record's tool schemas (a list of objects), if its `tools_field` holds any."""
+    data = record.data
+    if field is None or data.get(field) is None:
+        return None
+    tools = data[field]
+    if isinstance(tools, str):  # as LLaMA-Factory's ShareGPT data keeps them: JSON text
+        tools = _json_value(record, field, tools)
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise RecordError(
+            record.source,
+            record.line,
+            field,
+            f"expected a list of tool schemas (objects), got {type(tools).__name__}",
+            "wrong_type",
+        )
+    return tools
+
+
+def get_values(record: Record, field: str, dtype: np.dtype) -> np.ndarray:
+    """A value field (a number or a list of them: GRPO rewards, a KTO label), each checked to
+    be finite and to fit the key's stored dtype."""
+    value = get_field(record, field)
+    items = value if isinstance(value, list) else [value]
+    for j, v in enumerate(items):
+        where = f"{field}[{j}]" if isinstance(value, list) else field
+        if not isinstance(v, (int, float)):  # a bool counts: KTO's label, stored 1.0 / 0.0
+            raise RecordError(
+                record.source,
+                record.line,
+                where,
+                f"expected a number, got {type(v).__name__}",
+                "wrong_type",
+            )
+        if not math.isfinite(v):
+            raise RecordError(
+                record.source, record.line, where, f"not a finite number: {v}", "bad_value"
+            )
+        problem = _unrepresentable(v, dtype)
+        if problem:
+            raise RecordError(record.source, record.line, where, problem, "bad_value")
+    return np.asarray(items, dtype=np.float32)
+
+
+def _unrepresentable(value: float, dtype: np.dtype) -> str | None:
+    """Why `value` cannot be stored as `dtype` unchanged (1e39 as float32 would be inf)."""
+    if dtype.kind == "f":
+        if abs(value) > float(np.finfo(dtype).max):
+            return f"{value} is beyond the range of {dtype.name}"
+        return None
+    if dtype.kind in "iub":
+        low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        if float(value) != int(value) or not low <= int(value) <= high:
+            return f"{value} is not a {dtype.name} value"
+    return None

@@ -8,19 +8,19 @@ field, and every token rendered or cut is tallied for the ledger.
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Callable
 from typing import Any
 
 import jinja2
 import numpy as np
-import orjson
 
 from tokenmill.preprocess.chat_template import has_generation_blocks
 from tokenmill.preprocess.config import PipelineConfig, Section
-from tokenmill.preprocess.fields import check_messages, get_field
+from tokenmill.preprocess.fields import check_messages, get_field, get_tools, get_values
+from tokenmill.preprocess.filters import check_chars, raw_chars
+from tokenmill.preprocess.layout import OutputLayout, can_train
 from tokenmill.preprocess.ledger import Tally
+from tokenmill.preprocess.preference import as_text, is_standard, with_shared_prompt
 from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
@@ -29,27 +29,13 @@ from tokenmill.preprocess.truncation import Part, fit, resolve, shared_turns
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
 
 
-# Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
-FILTER_REASONS = ("too_short", "too_long", "no_trained_tokens")
-
-
-def key_dtype(key: str, config: PipelineConfig, value_keys: set[str]) -> str:
-    """Stored dtype of an output key: config override, else bool masks, float32 values, int32 ids."""
-    if key in config.output.dtype:
-        return config.output.dtype[key]
-    if key in value_keys:
-        return "float32"
-    if key == "loss_mask" or key == "masks" or key.endswith("_mask"):
-        return "bool"
-    return "int32"
-
-
-class RecordMasker:
-    """Turns record dicts into output arrays for one config and tokenizer."""
+class RecordMasker(OutputLayout):
+    """Turns record dicts into output arrays for one config (its layout) and tokenizer."""
 
     def __init__(self, config: PipelineConfig, bundle: TokenizerBundle):
-        self.config = config
+        super().__init__(config)
         self.bundle = bundle
+        self._dtypes = self.dtypes()
         self.roles = config.known_roles()
         sections = [*config.input.sections]
         sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
@@ -59,62 +45,6 @@ class RecordMasker:
                     f"{bundle.path}: its chat template has no {{% generation %}} blocks, "
                     "which train_spans: generation reads"
                 )
-
-    # --- what this config writes -------------------------------------------------------
-    def output_keys(self) -> list[str]:
-        if not self.config.multi_output:
-            keys = ["sequence"]
-            if self.single_needs_mask():
-                keys.append("loss_mask")
-            if self.config.output.position_ids_mode != "none":
-                keys.append("position_ids")
-            if self.config.preprocessing.packing_strategy != "none":
-                keys.append("doc_lengths")  # each row's documents, so rows know their boundaries
-            return keys
-        keys = []
-        for key in self.config.input.sources or {}:
-            keys.append(key)
-            mask_key = self.source_mask_key(key)
-            if mask_key:
-                keys.append(mask_key)
-        return keys
-
-    def value_keys(self) -> set[str]:
-        sources = self.config.input.sources or {}
-        return {k for k, s in sources.items() if s.sections[0].action == "value"}
-
-    def dtypes(self) -> dict[str, str]:
-        values = self.value_keys()
-        return {k: key_dtype(k, self.config, values) for k in self.output_keys()}
-
-    def primary_key(self) -> str:
-        return self.output_keys()[0]
-
-    def token_keys(self) -> list[str]:
-        """The keys whose elements are tokens: what the ledger counts."""
-        if not self.config.multi_output:
-            return ["sequence"]
-        return [k for k in self.config.input.sources or {} if k not in self.value_keys()]
-
-    def mask_keys(self) -> list[str]:
-        """The keys that say which tokens train; none when every token trains."""
-        if not self.config.multi_output:
-            return ["loss_mask"] if self.single_needs_mask() else []
-        keys = [self.source_mask_key(k) for k in self.config.input.sources or {}]
-        return [k for k in keys if k]
-
-    def single_needs_mask(self) -> bool:
-        return _needs_mask(self.config.input.sections)
-
-    def source_mask_key(self, key: str) -> str | None:
-        source = (self.config.input.sources or {})[key]
-        if source.sections[0].action == "value":
-            return None
-        if source.mask_key:
-            return source.mask_key
-        return (
-            f"{key}_mask" if _needs_mask(source.sections) and _can_train(source.sections) else None
-        )
 
     # --- processing ----------------------------------------------------------------------
     def process(
@@ -132,14 +62,16 @@ class RecordMasker:
         tally = Tally()
         try:
             # too long before a token is made: a 50 MB record is never tokenized
-            self._check_chars(record, 0, self._raw_chars(record))
+            check_chars(record, self.config, 0, raw_chars(record, self.config))
             try:
                 out = self._outputs(record, tally)
             except RecordError as err:
                 if err.reason == "no_trained_tokens":
-                    self._check_chars(record, tally.chars)  # a filtered record counts as filtered
+                    check_chars(
+                        record, self.config, tally.chars
+                    )  # a filtered record counts as filtered
                 raise
-            self._check_chars(record, tally.chars)
+            check_chars(record, self.config, tally.chars)
         except RecordError as err:
             err.tokens = tally.tokens
             raise
@@ -152,7 +84,7 @@ class RecordMasker:
             out: DocumentArrays = {"sequence": ids}
             if self.single_needs_mask():
                 out["loss_mask"] = mask
-            if _can_train(self.config.input.sections) and not mask.any():
+            if can_train(self.config.input.sections) and not mask.any():
                 raise RecordError(
                     record.source,
                     record.line,
@@ -167,7 +99,7 @@ class RecordMasker:
         return out
 
     def _sources(self, record: Record, tally: Tally) -> DocumentArrays:
-        record = self._with_shared_prompt(record)
+        record = with_shared_prompt(record, self.config)
         out: DocumentArrays = {}
         group_sizes: dict[str, int] = {}
         values: dict[str, np.ndarray] = {}
@@ -186,7 +118,7 @@ class RecordMasker:
             if all(s.optional and record.data.get(s.field) is None for s in source.sections):
                 continue  # e.g. GRPO prompts without responses yet: prompts for online generation
             if section.action == "value":
-                values[key] = self._value(record, section, key)
+                values[key] = get_values(record, section.field, np.dtype(self._dtypes[key]))
                 out[key] = values[key]
                 continue
             if source.list_field:
@@ -214,7 +146,7 @@ class RecordMasker:
                 ]
                 out[key] = [ids for ids, _ in pairs]
                 masks = [mask for _, mask in pairs]
-                if _can_train(source.sections) and not all(m.any() for m in masks):
+                if can_train(source.sections) and not all(m.any() for m in masks):
                     untrained = untrained or RecordError(
                         record.source,
                         record.line,
@@ -229,7 +161,7 @@ class RecordMasker:
                 parts = rendered[key]
                 ids, mask = self._fit(record, source.sections, parts, tally)
                 out[key] = ids
-                if _can_train(source.sections) and not mask.any():
+                if can_train(source.sections) and not mask.any():
                     untrained = untrained or RecordError(
                         record.source,
                         record.line,
@@ -253,47 +185,18 @@ class RecordMasker:
             raise untrained
         return out
 
-    def _with_shared_prompt(self, record: Record) -> Record:
-        """An implicit prompt made explicit (TRL's `extract_prompt`): the longest prefix all
-        sources' replies share, messages or text, moved into the `shared_prompt` field."""
-        name = self.config.input.shared_prompt
-        if name is None or record.data.get(name) is not None:
-            return record
-        fields = [s.sections[-1].field for s in (self.config.input.sources or {}).values()]
-        values: list[Any] = [record.data.get(f) for f in fields]
-        if len(values) < 2 or not all(isinstance(v, (str, list)) for v in values):
-            return record
-        if all(isinstance(v, str) for v in values):  # TRL's rule: up to the first difference,
-            cut = len(os.path.commonprefix(values))  # less the space before it
-            cut -= int(cut > 0 and values[0][cut - 1] == " ")
-        elif all(isinstance(v, list) for v in values):
-            cut = 0
-            while all(cut < len(v) - 1 for v in values) and all(
-                v[cut] == values[0][cut] for v in values
-            ):
-                cut += 1  # each reply keeps at least its last message
-        else:
-            return record
-        if cut <= 0:
-            return record
-        data = {
-            **record.data,
-            name: values[0][:cut],
-            **{f: v[cut:] for f, v in zip(fields, values)},
-        }
-        return Record(record.source, record.line, data)
-
     def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
         """Each section rendered; chat sections that follow one another are one conversation
         (a TRL prompt and its reply), rendered once."""
         parts: list[Part] = []
+        standard = is_standard(record, self.config)  # TRL's text (non-conversational) format
         for section in sections:
             data = record.data
             if section.optional and (section.field not in data or data[section.field] is None):
                 continue
             value = get_field(record, section.field)
-            if section.template and self._standard(record):
-                section = _as_text(section)  # TRL's standard (non-conversational) format
+            if section.template and standard:
+                section = as_text(section)
             if section.template and parts and parts[-1].messages is not None:
                 parts[-1] = self._continue_chat(record, parts[-1], section, value, tally)
             else:
@@ -303,16 +206,6 @@ class RecordMasker:
                 record.source, record.line, sections[0].field, "missing field", "missing_field"
             )
         return parts
-
-    def _standard(self, record: Record) -> bool:
-        """Preference data in TRL's standard format: every chat field it has holds text."""
-        if not self.config.multi_output:
-            return False
-        fields = {
-            s.field for src in (self.config.input.sources or {}).values() for s in src.sections
-            if s.template and record.data.get(s.field) is not None
-        }  # fmt: skip
-        return bool(fields) and all(isinstance(record.data[f], str) for f in fields)
 
     def _continue_chat(
         self, record: Record, part: Part, section: Section, value: Any, tally: Tally
@@ -389,7 +282,7 @@ class RecordMasker:
     ) -> tuple[np.ndarray, np.ndarray]:
         """A chat section's tokens and mask, its EOS included (one rendering of the messages,
         with the record's tool schemas and the section's template keyword arguments)."""
-        tools = self._tools(record, section)
+        tools = get_tools(record, section.tools_field)
         try:
             ids, mask = render_conversation(
                 self.bundle,
@@ -423,33 +316,6 @@ class RecordMasker:
             ids, mask = self._eos(section, ids, mask)
         return ids, mask
 
-    def _tools(self, record: Record, section: Section) -> list[dict] | None:
-        """The record's tool schemas (a list of objects), if its `tools_field` holds any."""
-        data = record.data
-        if section.tools_field is None or data.get(section.tools_field) is None:
-            return None
-        tools = data[section.tools_field]
-        if isinstance(tools, str):  # as LLaMA-Factory's ShareGPT data keeps them: JSON text
-            try:
-                tools = orjson.loads(tools)
-            except orjson.JSONDecodeError as err:
-                raise RecordError(
-                    record.source,
-                    record.line,
-                    section.tools_field,
-                    f"not valid JSON: {err}",
-                    "bad_value",
-                ) from None
-        if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise RecordError(
-                record.source,
-                record.line,
-                section.tools_field,
-                f"expected a list of tool schemas (objects), got {type(tools).__name__}",
-                "wrong_type",
-            )
-        return tools
-
     def _eos(
         self, section: Section, ids: np.ndarray, mask: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -460,28 +326,6 @@ class RecordMasker:
         return np.append(ids, np.int32(self.bundle.eos_id)), np.append(
             mask, section.action != "mask"
         )
-
-    def _value(self, record: Record, section: Section, key: str) -> np.ndarray:
-        value = get_field(record, section.field)
-        items = value if isinstance(value, list) else [value]
-        for j, v in enumerate(items):
-            where = f"{section.field}[{j}]" if isinstance(value, list) else section.field
-            if not isinstance(v, (int, float)):  # a bool counts: KTO's label, stored 1.0 / 0.0
-                raise RecordError(
-                    record.source,
-                    record.line,
-                    where,
-                    f"expected a number, got {type(v).__name__}",
-                    "wrong_type",
-                )
-            if not math.isfinite(v):
-                raise RecordError(
-                    record.source, record.line, where, f"not a finite number: {v}", "bad_value"
-                )
-            problem = _unrepresentable(v, np.dtype(self.dtypes()[key]))
-            if problem:
-                raise RecordError(record.source, record.line, where, problem, "bad_value")
-        return np.asarray(items, dtype=np.float32)
 
     # --- truncation: what a record longer than max_seq_len keeps ------------------------
     def truncation(self, sections: list[Section]) -> str:
@@ -494,7 +338,7 @@ class RecordMasker:
         """The parts joined and cut to max_seq_len by the sections' policy; cuts are tallied."""
         return fit(
             parts, self.config.preprocessing.max_seq_len, self.truncation(sections),
-            _can_train(sections), self.bundle.bos_id, self._rerender(record), tally,
+            can_train(sections), self.bundle.bos_id, self._rerender(record), tally,
         )  # fmt: skip
 
     def _shared_turns(
@@ -519,74 +363,3 @@ class RecordMasker:
         actions = [(part.actions or [])[i] for i in kept]
         ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
         return Part(part.section, part.field, part.first, ids, mask, messages, actions)
-
-    def _raw_chars(self, record: Record) -> int:
-        """The characters of the record's text fields, counted without rendering anything."""
-        sections = [*self.config.input.sections]
-        sections += [s for src in (self.config.input.sources or {}).values() for s in src.sections]
-        total = 0
-        for section in sections:
-            value = record.data.get(section.field) if "." not in section.field else None
-            items = value if isinstance(value, list) else [value]
-            for item in items:
-                if isinstance(item, str):
-                    total += len(item)
-                elif isinstance(item, dict):  # a chat message: its text
-                    text = item.get("content", item.get("value"))
-                    total += len(text) if isinstance(text, str) else 0
-        return total
-
-    def _check_chars(self, record: Record, chars: int, raw: int | None = None) -> None:
-        """The length filter: on the rendered text's characters, or (`raw`) before any
-        rendering, where only a record too long to tokenize is dropped."""
-        pre = self.config.preprocessing
-        if raw is not None:
-            chars = raw
-            if chars <= pre.max_chars:
-                return
-        if chars < pre.min_chars:
-            raise RecordError(
-                record.source,
-                record.line,
-                None,
-                f"{chars} characters, fewer than min_chars={pre.min_chars}",
-                "too_short",
-            )
-        if chars > pre.max_chars:
-            raise RecordError(
-                record.source,
-                record.line,
-                None,
-                f"{chars} characters, more than max_chars={pre.max_chars}",
-                "too_long",
-            )
-
-
-def _as_text(section: Section) -> Section:
-    """A chat section given plain text (TRL's standard format): the text itself, a prompt
-    masked, a reply trained and closed with EOS, as TRL tokenizes such data."""
-    trains = section.action in ("train", "$role")
-    return section.model_copy(
-        update={"template": False, "action": "train" if trains else "mask", "eos": trains}
-    )
-
-
-def _unrepresentable(value: float, dtype: np.dtype) -> str | None:
-    """Why `value` cannot be stored as `dtype` unchanged (1e39 as float32 would be inf)."""
-    if dtype.kind == "f":
-        if abs(value) > float(np.finfo(dtype).max):
-            return f"{value} is beyond the range of {dtype.name}"
-        return None
-    if dtype.kind in "iub":
-        low, high = (0, 1) if dtype.kind == "b" else (np.iinfo(dtype).min, np.iinfo(dtype).max)
-        if float(value) != int(value) or not low <= int(value) <= high:
-            return f"{value} is not a {dtype.name} value"
-    return None
-
-
-def _needs_mask(sections: list[Section]) -> bool:
-    return any(s.template or s.action == "mask" for s in sections)
-
-
-def _can_train(sections: list[Section]) -> bool:
-    return any(s.action in ("train", "$role") for s in sections)

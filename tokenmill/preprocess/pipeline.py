@@ -23,8 +23,9 @@ from tokenmill import __version__
 from tokenmill.preprocess.chunks import ChunkResult
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.engine import make_engine
+from tokenmill.preprocess.filters import FILTER_REASONS
 from tokenmill.preprocess.inputs import InputPath, input_identity, list_inputs
-from tokenmill.preprocess.masking import FILTER_REASONS, RecordMasker
+from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import ON_ERROR, RecordError
 from tokenmill.preprocess.runlog import Journal, ResumeState, Summary
 from tokenmill.preprocess.tokenizer import load_tokenizer

@@ -7,23 +7,16 @@ each token takes the action of the span holding its first character. masking.py 
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Callable
-from functools import cache, partial
-from itertools import chain, pairwise
+from functools import partial
+from itertools import chain
 from typing import Any
 
 import numpy as np
-import tokenizers
 
-from tokenmill.preprocess.chat_template import render_generation_spans, render_text
+from tokenmill.preprocess.chat_template import Render, render_generation_spans, render_text
+from tokenmill.preprocess.content_spans import added_table, content_starts
+from tokenmill.preprocess.probe_spans import header_opener, prefix_starts
 from tokenmill.preprocess.tokenizer import TokenizerBundle
-
-Render = Callable[[list[dict], bool], str]  # messages, add_generation_prompt -> rendered text
-
-# Stands in for an empty content so its place in the rendering can be found.
-_EMPTY_MARK = "\ue000{}\ue001"
 
 
 def render_conversation(
@@ -69,13 +62,13 @@ def render_conversation(
         -1, 2
     )
     first_char = offsets[:, 0]
-    table = _added_table(bundle.tokenizer)
+    table = added_table(bundle.tokenizer)
     is_control = table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
     control = (first_char[is_control], offsets[is_control, 1])
     tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-    opener = _header_opener(render) if tooling else None
+    opener = header_opener(render) if tooling else None
     if opener:  # tool calls and results: each message's span is what it adds to the rendering
-        later = _prefix_starts(
+        later = prefix_starts(
             render, messages, text, 0, first_char, offsets[:, 1], is_control, opener
         )
         # message 0 starts at its header: the preamble before it (a default system prompt,
@@ -84,7 +77,7 @@ def render_conversation(
         span_starts = [max(head, 0), *later]
     else:
         try:
-            span_starts = _content_starts(
+            span_starts = content_starts(
                 render, bundle, messages, actions, text, prompt_start, first_char, control,
                 add_generation_prompt,
             )  # fmt: skip
@@ -93,7 +86,7 @@ def render_conversation(
                 raise
             span_starts = [0] * len(messages)  # message 0 owns the preamble: never trained
         if tooling:  # no header opening to find (DeepSeek): the prefix probes alone
-            span_starts[1:] = _prefix_starts(
+            span_starts[1:] = prefix_starts(
                 render, messages, text, span_starts[0], first_char, offsets[:, 1], is_control,
                 None,
             )  # fmt: skip
@@ -101,32 +94,6 @@ def render_conversation(
     owner = np.searchsorted(starts, first_char, side="right") - 1
     mask = np.asarray([False, *actions], dtype=bool)[owner] & (first_char < prompt_start)
     return _with_bos(bundle, ids, mask)
-
-
-def _content_starts(
-    render: Render,
-    bundle: TokenizerBundle,
-    messages: list[dict],
-    actions: list[bool],
-    text: str,
-    prompt_start: int,
-    first_char: np.ndarray,
-    control: tuple[np.ndarray, np.ndarray],
-    add_generation_prompt: bool,
-) -> list[int]:
-    """Where each message's span starts, from where its content sits in the rendering: located
-    through the template's own text around marker contents, or searched for."""
-    glue = _marker_glue(render, messages, add_generation_prompt)
-    located = _locate_by_glue(text, messages, glue) if glue else None
-    if located is None:  # the template shapes its text around the content: search for it
-        found = _locate_contents(text, messages, prompt_start, control)
-        located = _place_empty_contents(render, messages, text, found, add_generation_prompt)
-    tails = _role_tails(render, messages, actions, glue) if glue else None
-    span_starts = _span_starts(text, located, prompt_start, first_char, tails)
-    span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
-    if span_starts[0] == 0 and glue:
-        span_starts[0] = _probe_first_header(render, messages, glue, text, prompt_start, first_char)
-    return span_starts
 
 
 def _with_bos(
@@ -141,405 +108,3 @@ def _with_bos(
             mask = np.concatenate([[False], mask])
         mask[0] = False
     return ids, mask
-
-
-def _prefix_starts(
-    render: Render,
-    messages: list[dict],
-    text: str,
-    first: int,
-    token_starts: np.ndarray,
-    token_ends: np.ndarray,
-    control: np.ndarray,
-    opener: str | None,
-) -> list[int]:
-    """Where messages 1..n-1 start: where the rendering of the messages before each one stops
-    agreeing with the full rendering. So a tool call stays in its assistant turn and a tool
-    result's closing markup (`</tool_response><|im_end|>`, DeepSeek's
-    `<｜tool▁outputs▁end｜>`) in the tool turn, even when the template groups several
-    results into one block and closes it only after the last.
-
-    The messages before k are rendered followed by a user and by an assistant message (so
-    message k-1 is not the last one: templates render a last turn differently); the two
-    renderings part where message k's header would start."""
-    starts, previous = [], first
-    for k in range(1, len(messages)):
-        mark = _CONTENT_MARK.format(k)
-        try:
-            a = render([*messages[:k], {"role": "user", "content": mark}], False)
-            b = render([*messages[:k], {"role": "assistant", "content": mark}], False)
-        except Exception:  # a template refusing that shape: the plain prefix instead
-            a = b = render(messages[:k], False)
-        at = _snap(len(os.path.commonprefix([a, b])), token_starts, token_ends, control)
-        agree_a, agree_b = (len(os.path.commonprefix([x, text])) for x in (a, b))
-        if min(agree_a, agree_b) < at or (opener and not text.startswith(opener, at)):
-            # a probe changed the text before message k (Qwen3 moves its last query to a user
-            # probe): the probe that reproduces the text furthest parts from it inside message
-            # k's header or content; k starts at the header opening (`<|im_start|>`) before
-            furthest = max(agree_a, agree_b)
-            found = text.rfind(opener, previous, furthest + 1) if opener else -1
-            at = found if found >= 0 else _snap(furthest, token_starts, token_ends, control)
-        previous = max(previous, at)
-        if messages[k - 1].get("role") == "tool":  # DeepSeek closes the results in the next turn
-            previous = _past_tool_markup(text, previous, token_starts, token_ends, control)
-        starts.append(previous)
-    return starts
-
-
-def _snap(at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np.ndarray) -> int:
-    """A header boundary moved to whole tokens: inside a token (`<｜User｜>`), its start; right
-    after a control token that opens a header (`<|im_start|>`), that token's start."""
-    token = int(np.searchsorted(token_starts, at, side="right")) - 1
-    if token >= 0 and token_starts[token] < at < token_ends[token]:
-        return int(token_starts[token])
-    before = token if token >= 0 and token_ends[token] == at else token - 1
-    if before >= 0 and token_ends[before] == at and control[before]:
-        return int(token_starts[before])
-    return at
-
-
-def _header_opener(render: Render) -> str | None:
-    """The text that opens every header (`<|im_start|>`), from two one-message renderings:
-    what they share before their roles part, back to where the last line or token began."""
-    try:
-        user = render([{"role": "user", "content": "\ue000"}], False)
-        assistant = render([{"role": "assistant", "content": "\ue000"}], False)
-    except Exception:
-        return None
-    shared = os.path.commonprefix([user, assistant])
-    opener = re.findall(r"<[^<>]*>$|<\|[^|]*\|>$", shared)
-    return opener[0] if opener else None
-
-
-def _past_tool_markup(
-    text: str, at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np.ndarray
-) -> int:
-    """`at` moved past the control tokens of tool markup that open the turn after a tool
-    result (`<｜tool▁outputs▁end｜>`): they close the result, so they are masked with it."""
-    token = int(np.searchsorted(token_starts, at, side="left"))
-    while (
-        token < len(token_starts)
-        and control[token]
-        and "tool" in text[token_starts[token] : token_ends[token]].lower()
-    ):
-        at = int(token_ends[token])
-        token += 1
-    return at
-
-
-def _visible_forms(content: str) -> list[str]:
-    """What a template may show of a content, most faithful first."""
-    forms = [content, content.strip()]
-    if "</think>" in content:  # Qwen3 keeps only the answer after the reasoning
-        forms.append(content.split("</think>")[-1].lstrip("\n"))
-    forms.append(content.lstrip("\n"))
-    return list(dict.fromkeys(forms))
-
-
-@cache
-def _added_table(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
-    """Lookup table id -> is an added token, for O(1) tests per token."""
-    added = _added_ids(tokenizer)
-    table = np.zeros(int(added.max()) + 2 if len(added) else 1, dtype=bool)
-    table[added] = True
-    return table
-
-
-@cache
-def _added_ids(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
-    """Ids of the added tokens (`<|im_end|>`, `<think>`, ...): template control text."""
-    return np.asarray(sorted(tokenizer.get_added_tokens_decoder()), dtype=np.int32)
-
-
-def _locate_contents(
-    text: str, messages: list[dict], limit: int, control: tuple[np.ndarray, np.ndarray]
-) -> list[tuple[int, int] | None]:
-    """(start, end) of each message's content, searched forward; None for an empty one.
-
-    Template words hold short contents ("e" is in `<|im_end|>` and in `user`), so an
-    occurrence that cuts a control token is skipped, and one followed by a control
-    token (`<|im_end|>`) is preferred; if preferring leaves a message unplaced, the
-    first occurrences are used.
-    """
-    try:
-        return _search_contents(text, messages, limit, control, prefer=True)
-    except ValueError:
-        return _search_contents(text, messages, limit, control, prefer=False)
-
-
-def _search_contents(
-    text: str,
-    messages: list[dict],
-    limit: int,
-    control: tuple[np.ndarray, np.ndarray],
-    prefer: bool,
-) -> list[tuple[int, int] | None]:
-    located: list[tuple[int, int] | None] = []
-    cursor = 0
-    for k, message in enumerate(messages):
-        content = message.get("content") or ""  # None: a tool call with no text
-        if not isinstance(content, str):
-            raise ValueError(
-                f"messages[{k}] (role {message.get('role')!r}): content must be a string, "
-                f"got {type(content).__name__}"
-            )
-        forms = _visible_forms(content)
-        hit = None
-        for form in filter(None, forms):
-            start = _find(text, form, cursor, limit, control, prefer)
-            if start >= 0:
-                hit = (start, start + len(form))
-                break
-        if hit is None and all(forms):
-            raise ValueError(
-                f"messages[{k}] (role {message.get('role')!r}): content not found in the "
-                "rendered template; the template rewrites it in a way tokenmill cannot follow"
-            )
-        located.append(hit)
-        cursor = hit[1] if hit else cursor
-    return located
-
-
-def _find(
-    text: str,
-    form: str,
-    cursor: int,
-    limit: int,
-    control: tuple[np.ndarray, np.ndarray],
-    prefer: bool,
-) -> int:
-    """First occurrence of `form` from `cursor` that cuts no control token; -1 if none.
-
-    With `prefer`, the first such occurrence that ends where a control token starts
-    (or at `limit`) wins.
-    """
-    starts, ends = control
-    first = -1
-    at = text.find(form, cursor, limit)
-    while at >= 0:
-        end = at + len(form)
-        i = int(np.searchsorted(starts, at, side="right")) - 1
-        j = int(np.searchsorted(starts, end, side="right")) - 1
-        cuts_start = i >= 0 and starts[i] < at < ends[i]
-        cuts_end = j >= 0 and starts[j] < end < ends[j]
-        if not (cuts_start or cuts_end):
-            if not prefer or end == limit or (j >= 0 and starts[j] == end):
-                return at
-            first = at if first < 0 else first
-        at = text.find(form, at + 1, limit)
-    return first
-
-
-def _place_empty_contents(
-    render: Render,
-    messages: list[dict],
-    text: str,
-    found: list[tuple[int, int] | None],
-    add_generation_prompt: bool,
-) -> list[tuple[int, int]]:
-    """Give each empty content a zero-length place between its neighbours.
-
-    Putting it at the end of the previous content would hand that message's
-    end-of-turn to this one, so the place comes from a rendering with a marker in
-    its stead; failing that, it is the end of the previous content.
-    """
-    pending = [k for k, hit in enumerate(found) if hit is None]
-    marked = _marker_places(render, messages, text, pending, add_generation_prompt)
-    placed: list[tuple[int, int]] = []
-    for k, hit in enumerate(found):
-        if hit is None:
-            low = placed[-1][1] if placed else 0
-            high = next((h[0] for h in found[k + 1 :] if h is not None), len(text))
-            spot = marked[k] if low <= marked.get(k, -1) <= high else low
-            hit = (spot, spot)
-        placed.append(hit)
-    return placed
-
-
-def _marker_places(
-    render: Render,
-    messages: list[dict],
-    text: str,
-    pending: list[int],
-    add_generation_prompt: bool,
-) -> dict[int, int]:
-    """Where the markers for `pending` contents sit in `text`; {} unless exact.
-
-    Exact means removing the markers from the marked rendering gives back `text`
-    (not so for a template that treats empty content specially).
-    """
-    if not pending:
-        return {}
-    marks = {k: _EMPTY_MARK.format(k) for k in pending}
-    marked = [{**m, "content": marks[k]} if k in marks else m for k, m in enumerate(messages)]
-    probe = render(marked, add_generation_prompt)
-    places: dict[int, int] = {}
-    parts, pos = [], 0
-    for k in pending:
-        at = probe.find(marks[k], pos)
-        if at < 0:
-            return {}
-        parts.append(probe[pos:at])
-        places[k] = at - sum(len(marks[j]) for j in places)
-        pos = at + len(marks[k])
-    return places if "".join(parts) + probe[pos:] == text else {}
-
-
-def _span_starts(
-    text: str,
-    located: list[tuple[int, int]],
-    limit: int,
-    token_starts: np.ndarray,
-    tails: list[str] | None = None,
-) -> list[int]:
-    """Where each message's span starts: after the previous content and its end-of-turn.
-
-    The end-of-turn text is what follows the last content (before any generation
-    prompt); between two contents, the part of the gap it shares is the end-of-turn,
-    cut back to whole tokens (`<｜User｜>` and `<｜end▁of▁sentence｜>` share `<｜`).
-    """
-    last_tail = text[located[-1][1] : limit]
-    starts = [0]
-    for k, ((_, end), (next_start, _)) in enumerate(pairwise(located)):
-        gap = text[end:next_start]
-        tail = tails[k] if tails is not None else last_tail
-        shared = 0
-        while shared < min(len(gap), len(tail)) and gap[shared] == tail[shared]:
-            shared += 1
-        token = int(np.searchsorted(token_starts, end + shared, side="right")) - 1
-        starts.append(max(end, int(token_starts[token])) if token >= 0 else end + shared)
-    return starts
-
-
-def _first_header_start(
-    text: str,
-    messages: list[dict],
-    located: list[tuple[int, int]],
-    starts: list[int],
-    token_starts: np.ndarray,
-) -> int:
-    """Where message 0's header starts, so the preamble before it (a default system prompt) stays masked.
-
-    The header is learned from a later message of the same role (the text between its span start
-    and its content); when none exists, or the preamble does not end with it, the whole preamble
-    belongs to message 0.
-    """
-    role, content_start = messages[0].get("role"), located[0][0]
-    for k in range(1, len(messages)):
-        header = text[starts[k] : located[k][0]]
-        if messages[k].get("role") == role and header and text[:content_start].endswith(header):
-            at = content_start - len(header)
-            token = int(np.searchsorted(token_starts, at, side="right")) - 1
-            return int(token_starts[token]) if token >= 0 else at
-    return 0
-
-
-_CONTENT_MARK = "\ue000{}\ue001"  # private-use characters: never template text
-
-
-def _marker_glue(
-    render: Render, messages: list[dict], add_generation_prompt: bool
-) -> list[str] | None:
-    """The template's own text around the contents: rendered once with a marker for each content.
-
-    Returns n + 1 pieces (before content 0, between contents, after the last), or None when
-    the template does not place every marker once and in order.
-    """
-    marks = [_CONTENT_MARK.format(k) for k in range(len(messages))]
-    try:
-        probe = render(
-            [{**m, "content": marks[k]} for k, m in enumerate(messages)],
-            add_generation_prompt,
-        )
-    except Exception:  # a template may refuse marker content; the search path still works
-        return None
-    pieces = re.split("(\ue000\\d+\ue001)", probe)
-    if pieces[1::2] != marks:
-        return None
-    return pieces[0::2]
-
-
-def _locate_by_glue(
-    text: str, messages: list[dict], glue: list[str]
-) -> list[tuple[int, int]] | None:
-    """Content spans by walking the real rendering: glue, a visible form of the content, glue, ...
-
-    Exact whenever the template's text does not depend on the content (then nothing inside a
-    default system prompt or a header can be mistaken for a message); None otherwise.
-    """
-    if not text.startswith(glue[0]):
-        return None
-    pos, located = len(glue[0]), []
-    for k, message in enumerate(messages):
-        content = message.get("content")
-        forms = _visible_forms(content) if isinstance(content, str) else [""]
-        for form in forms:
-            if text.startswith(form, pos) and text.startswith(glue[k + 1], pos + len(form)):
-                break
-        else:
-            return None
-        located.append((pos, pos + len(form)))
-        pos += len(form) + len(glue[k + 1])
-    return located if pos == len(text) else None
-
-
-def _probe_first_header(
-    render: Render,
-    messages: list[dict],
-    glue: list[str],
-    text: str,
-    limit: int,
-    token_starts: np.ndarray,
-) -> int:
-    """Message 0's header, learned by rendering message 0 twice (its end-of-turn + header then sit
-    between the two copies); 0 when the template refuses that or the header is not found."""
-    marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
-    doubled = [messages[0], *messages]
-    try:
-        probe = render([{**m, "content": marks[k]} for k, m in enumerate(doubled)], False)
-    except Exception:
-        return 0
-    pieces = re.split("(\ue000\\d+\ue001)", probe)
-    if pieces[1::2] != marks:
-        return 0
-    between, tail = pieces[2], pieces[-1]
-    shared = 0
-    while shared < min(len(between), len(tail)) and between[shared] == tail[shared]:
-        shared += 1
-    header = between[shared:]
-    if not header or not glue[0].endswith(header) or len(glue[0]) > limit:
-        return 0
-    at = len(glue[0]) - len(header)
-    token = int(np.searchsorted(token_starts, at, side="right")) - 1
-    return int(token_starts[token]) if token >= 0 else at
-
-
-def _role_tails(
-    render: Render, messages: list[dict], actions: list[bool], glue: list[str]
-) -> list[str] | None:
-    """The end-of-turn text of each message's role, where it differs from the last message's.
-
-    The text after the last content shows only the last role's end-of-turn (DeepSeek's user
-    turn has none, its assistant turn ends with EOS). For a trained role other than the last
-    one, render once more with a marker message of that role appended and read its tail.
-    """
-    last_role = messages[-1].get("role")
-    tails = {last_role: glue[-1]}
-    for message, trains in zip(messages[:-1], actions[:-1]):
-        role = message.get("role")
-        if not trains or role in tails:
-            continue
-        marks = [_CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
-        probe_messages = [*messages, {"role": role, "content": ""}]
-        try:
-            probe = render(
-                [{**m, "content": marks[k]} for k, m in enumerate(probe_messages)], False
-            )
-        except Exception:  # the template refuses that shape: keep the last message's tail
-            continue
-        pieces = re.split("(\ue000\\d+\ue001)", probe)
-        if pieces[1::2] == marks:
-            tails[role] = pieces[-1]
-    if len(tails) == 1:
-        return None
-    return [tails.get(m.get("role"), glue[-1]) for m in messages[:-1]]

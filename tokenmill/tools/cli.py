@@ -10,8 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from tokenmill.preprocess.config import DEFAULT_CONFIGS, ConfigError, PipelineConfig, default_config
+from tokenmill.preprocess.config import ConfigError, PipelineConfig
 from tokenmill.preprocess.engine import ENGINES
+from tokenmill.preprocess.presets import DEFAULT_CONFIGS, default_config
 from tokenmill.preprocess.records import ON_ERROR, RecordError
 
 

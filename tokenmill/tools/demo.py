@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.config import default_config
 from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.presets import default_config
 from tokenmill.tools.inspect import dataset_stats, format_stats
-from tokenmill.training.datasets import DatasetFactory
+from tokenmill.training.dataset_factory import DatasetFactory
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 

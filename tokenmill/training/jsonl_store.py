@@ -50,7 +50,7 @@ class JsonlStore(Store):
             return self
         self.processor = None
         # the raw-JSONL route into preprocessing, imported only when raw records are read
-        from tokenmill.preprocess.masking import FILTER_REASONS
+        from tokenmill.preprocess.filters import FILTER_REASONS
         from tokenmill.preprocess.records import read_records
 
         apply, dtypes = _choose_transform(Path(path), transform, tokenizer_path)
@@ -169,7 +169,7 @@ def _choose_transform(
         tokenizer = tokenizer_path or (folder / configured if configured else folder)
         return _masker(PipelineConfig.from_dict(data, origin=str(config_file)), tokenizer)
     if tokenizer_path is not None:
-        from tokenmill.preprocess.config import default_config
+        from tokenmill.preprocess.presets import default_config
 
         return _masker(default_config("sft"), tokenizer_path)
     return _pretokenized, None

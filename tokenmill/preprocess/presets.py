@@ -1,0 +1,110 @@
+"""The built-in configs, one per training type: what `--type` and `default_config` give.
+
+Each matches the shipped sample data of its type; `examples/<type>/config.yaml` writes it out
+and a test keeps the two equal."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenmill.preprocess.config import PipelineConfig
+
+
+def default_config(train_type: str) -> PipelineConfig:
+    """The built-in config for each training type, matching the shipped sample data."""
+    if train_type not in DEFAULT_CONFIGS:
+        raise ValueError(f"unknown train_type {train_type!r}; valid: {sorted(DEFAULT_CONFIGS)}")
+    return PipelineConfig.from_dict(
+        DEFAULT_CONFIGS[train_type], origin=f"default_config({train_type})"
+    )
+
+
+_CHAT = {"field": "messages", "template": True, "action": "$role"}
+
+
+_PROMPT = {"field": "prompt", "template": True, "action": "mask", "optional": True}
+
+
+DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
+    # pretraining keeps every token: no cut, documents continue across rows in order
+    "seq": {
+        "input": {"sections": [{"field": "text", "action": "train", "eos": True}]},
+        "preprocessing": {"packing_strategy": "stream"},
+    },
+    # whole conversations: rows no longer than a 2048-token sample
+    "sft": {"input": {"sections": [_CHAT]}, "preprocessing": {"max_packed_len": 2048}},
+    "instruction": {
+        "input": {
+            "sections": [
+                {"field": "prompt", "action": "mask"},
+                {"field": "response", "action": "train", "eos": True},
+            ]
+        },
+        "preprocessing": {"min_chars": 1, "max_packed_len": 2048},
+    },
+    # TRL's conversational preference data, explicit prompt or not: the prompt (when given)
+    # and each reply are one conversation; a reply that repeats the prompt is not doubled
+    "dpo": {
+        "input": {
+            "sources": {
+                side: {
+                    "sections": [
+                        dict(_PROMPT),
+                        {"field": side, "template": True, "action": "$role"},
+                    ]
+                }
+                for side in ("chosen", "rejected")
+            },
+            "shared_prompt": "prompt",
+        },
+        "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
+    },
+    # TRL's unpaired preference data (KTO): a prompt and one completion, labelled good or bad
+    "kto": {
+        "input": {
+            "sources": {
+                "completion": {
+                    "sections": [
+                        dict(_PROMPT),
+                        {"field": "completion", "template": True, "action": "$role"},
+                    ]
+                },
+                "label": {"sections": [{"field": "label", "action": "value"}]},
+            }
+        },
+        "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
+    },
+    "grpo": {
+        "input": {
+            "sources": {
+                "prompts": {
+                    "sections": [
+                        {
+                            "field": "prompt",
+                            "template": True,
+                            "action": "mask",
+                            "generation_prompt": True,
+                        }
+                    ]
+                },
+                "responses": {
+                    "sections": [
+                        {
+                            "field": "responses",
+                            "optional": True,  # prompt-only data: prompts for online generation
+                            "action": "train",
+                            "eos": True,
+                            "add_special_tokens": False,
+                        }
+                    ],
+                    "list_field": True,
+                    "mask_key": "masks",
+                },
+                "rewards": {
+                    "sections": [{"field": "rewards", "action": "value", "optional": True}]
+                },
+            }
+        },
+        "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
+    },
+}

@@ -1,0 +1,100 @@
+"""Spans from prefix probes: where each message of a tool conversation starts.
+
+The conversation before message k is rendered followed by a user and by an assistant message;
+where those renderings part (and stop agreeing with the full rendering) is where message k's
+header starts. So a tool call stays in its assistant turn and a tool result keeps its closing
+markup, even where the template groups results or looks at the next message's role."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+
+from tokenmill.preprocess.chat_template import Render
+from tokenmill.preprocess.content_spans import CONTENT_MARK
+
+
+def prefix_starts(
+    render: Render,
+    messages: list[dict],
+    text: str,
+    first: int,
+    token_starts: np.ndarray,
+    token_ends: np.ndarray,
+    control: np.ndarray,
+    opener: str | None,
+) -> list[int]:
+    """Where messages 1..n-1 start: where the rendering of the messages before each one stops
+    agreeing with the full rendering. So a tool call stays in its assistant turn and a tool
+    result's closing markup (`</tool_response><|im_end|>`, DeepSeek's
+    `<｜tool▁outputs▁end｜>`) in the tool turn, even when the template groups several
+    results into one block and closes it only after the last.
+
+    The messages before k are rendered followed by a user and by an assistant message (so
+    message k-1 is not the last one: templates render a last turn differently); the two
+    renderings part where message k's header would start."""
+    starts, previous = [], first
+    for k in range(1, len(messages)):
+        mark = CONTENT_MARK.format(k)
+        try:
+            a = render([*messages[:k], {"role": "user", "content": mark}], False)
+            b = render([*messages[:k], {"role": "assistant", "content": mark}], False)
+        except Exception:  # a template refusing that shape: the plain prefix instead
+            a = b = render(messages[:k], False)
+        at = _snap(len(os.path.commonprefix([a, b])), token_starts, token_ends, control)
+        agree_a, agree_b = (len(os.path.commonprefix([x, text])) for x in (a, b))
+        if min(agree_a, agree_b) < at or (opener and not text.startswith(opener, at)):
+            # a probe changed the text before message k (Qwen3 moves its last query to a user
+            # probe): the probe that reproduces the text furthest parts from it inside message
+            # k's header or content; k starts at the header opening (`<|im_start|>`) before
+            furthest = max(agree_a, agree_b)
+            found = text.rfind(opener, previous, furthest + 1) if opener else -1
+            at = found if found >= 0 else _snap(furthest, token_starts, token_ends, control)
+        previous = max(previous, at)
+        if messages[k - 1].get("role") == "tool":  # DeepSeek closes the results in the next turn
+            previous = _past_tool_markup(text, previous, token_starts, token_ends, control)
+        starts.append(previous)
+    return starts
+
+
+def _snap(at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np.ndarray) -> int:
+    """A header boundary moved to whole tokens: inside a token (`<｜User｜>`), its start; right
+    after a control token that opens a header (`<|im_start|>`), that token's start."""
+    token = int(np.searchsorted(token_starts, at, side="right")) - 1
+    if token >= 0 and token_starts[token] < at < token_ends[token]:
+        return int(token_starts[token])
+    before = token if token >= 0 and token_ends[token] == at else token - 1
+    if before >= 0 and token_ends[before] == at and control[before]:
+        return int(token_starts[before])
+    return at
+
+
+def header_opener(render: Render) -> str | None:
+    """The text that opens every header (`<|im_start|>`), from two one-message renderings:
+    what they share before their roles part, back to where the last line or token began."""
+    try:
+        user = render([{"role": "user", "content": "\ue000"}], False)
+        assistant = render([{"role": "assistant", "content": "\ue000"}], False)
+    except Exception:
+        return None
+    shared = os.path.commonprefix([user, assistant])
+    opener = re.findall(r"<[^<>]*>$|<\|[^|]*\|>$", shared)
+    return opener[0] if opener else None
+
+
+def _past_tool_markup(
+    text: str, at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np.ndarray
+) -> int:
+    """`at` moved past the control tokens of tool markup that open the turn after a tool
+    result (`<｜tool▁outputs▁end｜>`): they close the result, so they are masked with it."""
+    token = int(np.searchsorted(token_starts, at, side="left"))
+    while (
+        token < len(token_starts)
+        and control[token]
+        and "tool" in text[token_starts[token] : token_ends[token]].lower()
+    ):
+        at = int(token_ends[token])
+        token += 1
+    return at

@@ -1,0 +1,104 @@
+"""Choosing a dataset: `DatasetFactory` opens a path (format detected, store loaded) or wraps a
+store as the dataset of a training type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenmill.shards.manifest import read_manifest
+from tokenmill.training.datasets import (
+    BaseDataset,
+    DPODataset,
+    GRPODataset,
+    KTODataset,
+    SEQDataset,
+    SFTDataset,
+)
+from tokenmill.training.factory import StoreFactory, detect_format
+
+DATASETS: dict[str, type[BaseDataset]] = {
+    "seq": SEQDataset,
+    "sft": SFTDataset,
+    "dpo": DPODataset,
+    "kto": KTODataset,
+    "grpo": GRPODataset,
+}
+
+
+def _dataset_class(train_type: str) -> type[BaseDataset]:
+    if train_type not in DATASETS:
+        raise ValueError(f"unknown train_type {train_type!r}; valid: {sorted(DATASETS)}")
+    return DATASETS[train_type]
+
+
+class DatasetFactory:
+    """Builds a dataset from a path (format detected, store loaded) or from a loaded store."""
+
+    @staticmethod
+    def create(
+        train_type: str, store: Any, max_len: int = 2048, sample: str | None = None
+    ) -> BaseDataset:
+        """Wrap an already-loaded store; its window and stride are used as they are.
+        `sample` (sft only): row (default), record or window (see SFTDataset)."""
+        cls = _dataset_class(train_type)
+        if sample is None:
+            return cls(store, max_len=max_len)
+        if cls is not SFTDataset:
+            raise ValueError(f"sample= is for sft data; {train_type} items are whole records")
+        return SFTDataset(store, max_len=max_len, sample=sample)
+
+    @staticmethod
+    def load(
+        train_type: str,
+        load_path: str | Path,
+        window_size: int,
+        stride: int | None = None,
+        storage_type: str | None = None,
+        tokenizer_path: str | Path | None = None,
+        max_len: int = 2048,
+        store: Any = None,
+        sample: str | None = None,
+    ) -> BaseDataset:
+        """Open `load_path` for `train_type`. Raw JSONL is tokenized eagerly for seq/sft and
+        lazily (per fetched record) for dpo/grpo when `tokenizer_path` is given. A given
+        `store` skips every path, format, tokenizer, window and stride step. `sample` (sft
+        only): row (default: whole conversations, packed), record or window."""
+        _dataset_class(train_type)
+        if store is None:
+            store = _load_store(
+                train_type, load_path, window_size, stride, storage_type, tokenizer_path
+            )
+        return DatasetFactory.create(train_type, store, max_len=max_len, sample=sample)
+
+
+def _load_store(
+    train_type: str,
+    load_path: str | Path,
+    window_size: int,
+    stride: int | None,
+    storage_type: str | None,
+    tokenizer_path: str | Path | None,
+) -> Any:
+
+    if storage_type is None:
+        storage_type = detect_format(load_path)
+    store = StoreFactory.create(storage_type, window_size=window_size, stride=stride)
+    written = Path(load_path).is_dir() and read_manifest(Path(load_path)) is not None
+    if storage_type != "jsonl" or written:  # shards, or JSONL the pipeline already tokenized
+        store.load(load_path)
+    elif train_type in ("dpo", "kto", "grpo") and tokenizer_path is not None:
+        store.load(load_path, processor=record_processor(train_type, tokenizer_path))
+    else:
+        store.load(load_path, tokenizer_path=tokenizer_path)
+    return store
+
+
+def record_processor(train_type: str, tokenizer_path: str | Path) -> Any:
+    """The lazy JSONL route: the built-in config for `train_type`, applied per record."""
+    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.presets import default_config
+    from tokenmill.preprocess.tokenizer import load_tokenizer
+
+    masker = RecordMasker(default_config(train_type), load_tokenizer(tokenizer_path))
+    return masker.process
