@@ -17,6 +17,7 @@ from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import Record
 from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.shards.format import row_tokens
 from tokenmill.training.factory import StoreFactory
 
 BUNDLES = {f: load_tokenizer(TOKENIZERS / f) for f in ("qwen2.5", "deepseek-v3")}
@@ -117,7 +118,11 @@ def test_every_token_read_is_written_or_dropped_by_reason(run):
     assert total.unbalanced() == []
     assert total.records_read == len(records) and total.records_written == result.records_written
     assert total.tokens_read == tokens_rendered(config, family, records)
-    assert total.tokens_written == result.tokens  # the rows hold exactly the written tokens
+    assert total.tokens_written == result.tokens
+    keys = masker.token_keys()  # the rows hold exactly the written tokens
+    assert total.tokens_written == sum(
+        row_tokens(row[k]) for _, row in result.rows for k in keys if k in row
+    )
     assert set(total.dropped) <= set(DROP_REASONS)
     dropped_records = sum(
         e["records"] for r, e in total.dropped.items() if r not in ("truncated", "packing_overflow")

@@ -125,6 +125,18 @@ def test_cross_shard_fetch_equals_concatenation(sft_store, a, b):
     assert got["loss_mask"].numpy().tolist() == concatenated("loss_mask")[begin:end].tolist()
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 97), max_size=30))
+def test_gather_across_shards_equals_indexing_the_concatenation(sft_store, indices):
+    got = sft_store.gather("position_ids", np.asarray(indices, dtype=np.int64))
+    assert got.tolist() == concatenated("position_ids")[indices].tolist()
+
+
+def test_gather_outside_the_stream_fails(sft_store):
+    with pytest.raises(IndexError, match="gather of key 'sequence' outside \\[0, 98\\)"):
+        sft_store.gather("sequence", np.asarray([97, 98]))
+
+
 def test_fetch_record_across_shards(sft_store):
     records = list(sft_records())
     for i, record in enumerate(records):

@@ -23,11 +23,9 @@ from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
 from tokenmill.preprocess.tokenizer import load_tokenizer
-from tokenmill.shards.format import RUN_DIR, TMP_MARK, row_tokens, trained_count
+from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens, trained_count
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# names a dataset folder already uses for its own files: never a domain folder
-_SHARD_NAME = re.compile(r"^(shard_\d+|part_\d+\.jsonl)$")
 
 
 @dataclass
@@ -48,9 +46,12 @@ class ChunkResult:
     rows: list[tuple[str, Any]]
     errors: list[RecordError]
     ledgers: dict[str, Ledger] = field(default_factory=dict)  # per domain
-    tokens: int = 0
     trained_tokens: int = 0
     sizes: list[int] = field(default_factory=list)  # primary-key tokens of each row
+
+    @property
+    def tokens(self) -> int:
+        return sum(ledger.tokens_written for ledger in self.ledgers.values())
 
     @property
     def dropped_tokens(self) -> int:
@@ -146,7 +147,6 @@ def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResu
     read = len(chunk.records) + len(chunk.read_errors)
     written = sum(len(v) for v in by_domain.values())
     result = ChunkResult(chunk.index, read, written, rows, errors, ledgers)
-    result.tokens = sum(ledger.tokens_written for ledger in ledgers.values())
     result.trained_tokens = sum(row_trained(row, mask_keys, token_keys) for _, row in rows)
     result.sizes = [row_tokens(row[masker.primary_key()]) for _, row in rows]
     return result
@@ -185,7 +185,7 @@ def _domain(record: Record, config: PipelineConfig) -> str:
         return ""
     value = get_field(record, key)
     reserved = value in ("manifest.json", "rejects.jsonl", RUN_DIR) or (
-        isinstance(value, str) and (TMP_MARK in value or _SHARD_NAME.match(value) is not None)
+        isinstance(value, str) and (TMP_MARK in value or is_shard_name(value))
     )
     if not isinstance(value, str) or not _SAFE_DOMAIN.match(value) or reserved:
         raise RecordError(

@@ -109,6 +109,21 @@ def shard_name(index: int, storage_format: str) -> str:
     return f"part_{index:05d}.jsonl" if storage_format == "jsonl" else f"shard_{index:05d}"
 
 
+def is_shard_name(name: str) -> bool:
+    """A name `shard_name` writes (or may write): never a domain folder's name."""
+    return re.fullmatch(r"shard_\d+|part_\d+\.jsonl", name) is not None
+
+
+def opens_document(first_positions: Any) -> np.ndarray:
+    """Which row pieces (`doc_lengths`) start a document, from each piece's first position:
+    one that does not start at 0 is the rest of the document before it (`stream` packing
+    cuts documents at rows); the first piece always opens one."""
+    opens = np.asarray(first_positions) == 0
+    if len(opens):
+        opens[0] = True
+    return opens
+
+
 def is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 

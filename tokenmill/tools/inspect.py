@@ -16,7 +16,7 @@ import numpy as np
 
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.runlog import Summary
-from tokenmill.shards.format import Column, primary_key, shard_records
+from tokenmill.shards.format import Column, opens_document, primary_key, shard_records
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
 
@@ -32,15 +32,12 @@ def _record_lengths(column: Column, stream_length: int) -> np.ndarray:
 
 
 def _documents(pieces: Column, positions: Column | None) -> np.ndarray:
-    """Document lengths from a shard's row pieces: a piece whose positions go on (do not start
-    at 0) is the rest of the document before it (`stream` packing cuts documents at rows)."""
+    """Document lengths from a shard's row pieces (`opens_document` joins the rest of a cut one)."""
     lengths = np.asarray(pieces.values, dtype=np.int64)
     if positions is None or not len(lengths):
         return lengths
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    first = np.flatnonzero(np.asarray(positions.values)[starts] == 0)
-    if not len(first) or first[0] != 0:
-        first = np.concatenate([[0], first])
+    first = np.flatnonzero(opens_document(np.asarray(positions.values)[starts]))
     return np.add.reduceat(lengths, first)
 
 

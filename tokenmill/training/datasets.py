@@ -2,7 +2,8 @@
 
 Sits between the stores (`store.py`) and the sampler / dataflow roles. Stream
 types (`seq`, `sft`) cut the token stream into windows; record types (`dpo`,
-`grpo`) return one record each. `DatasetFactory` picks the store and the class.
+`grpo`) return one record each. `DatasetFactory` (`dataset_factory.py`) picks the
+store and the class.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from tokenmill.shards.format import opens_document
 
 
 class BaseDataset(Dataset):
@@ -154,35 +157,29 @@ class SFTDataset(_StreamDataset):
     def _rows(self) -> tuple[np.ndarray, np.ndarray]:
         lengths = np.asarray(self.store.record_lengths("sequence"), dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        positions = self._positions()
-        if len(starts) and positions[starts].any():
-            count = int(np.count_nonzero(positions[starts]))
+        inside = np.count_nonzero(self.store.gather("position_ids", starts)) if len(starts) else 0
+        if inside:
             raise ValueError(
-                f"{count} rows start inside a document (the config split documents across "
+                f"{inside} rows start inside a document (the config split documents across "
                 "rows: packing stream or bfd_split); use sample='record' or sample='window'"
             )
         return starts, lengths
 
-    def _positions(self) -> np.ndarray:
-        return self.store.fetch_arrays(0, int(self.store.token_count), ["position_ids"])[
-            "position_ids"
-        ]
-
     def _documents(self) -> tuple[np.ndarray, np.ndarray]:
         """Each document's start in the token stream and its length: from the rows' stored
-        `doc_lengths` (a piece whose positions go on from the piece before it is the rest of
-        that document), or, in shards written before rows stored them, where positions
-        restart at 0."""
-        positions = self._positions()
+        `doc_lengths` (`opens_document` joins a piece to the document it goes on with), or,
+        in shards written before rows stored them, where positions restart at 0."""
         if "doc_lengths" not in self.store.keys:
-            starts = np.flatnonzero(positions == 0).astype(np.int64)
+            positions = self.store.fetch_arrays(0, self.store.token_count, ["position_ids"])
+            starts = np.flatnonzero(positions["position_ids"] == 0).astype(np.int64)
         else:
             total = int(np.asarray(self.store.record_lengths("doc_lengths")).sum())
             pieces = self.store.fetch(0, total, "doc_lengths").numpy().astype(np.int64)
             piece_starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(np.int64)
-            goes_on = positions[piece_starts] != 0
-            before = np.maximum(piece_starts - 1, 0)
-            apart = goes_on & (positions[piece_starts] != positions[before] + 1)
+            first = self.store.gather("position_ids", piece_starts)
+            before = self.store.gather("position_ids", np.maximum(piece_starts - 1, 0))
+            goes_on = ~opens_document(first)
+            apart = goes_on & (first != before + 1)
             if apart.any():
                 raise ValueError(
                     f"{int(apart.sum())} documents were split into pieces that are not next to "

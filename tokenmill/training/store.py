@@ -184,6 +184,21 @@ class Store:
             return s, begin - starts[s], end - starts[s]
         return None
 
+    def gather(self, key: str, indices: np.ndarray) -> np.ndarray:
+        """A key's stream values at these positions, read view by view: index-time checks
+        (rows and documents at load) touch those values only, not the whole stream."""
+        self._loaded()
+        starts = np.asarray(self._starts[self._key(key)], dtype=np.int64)
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and not (0 <= indices.min() and indices.max() < starts[-1]):
+            raise IndexError(f"gather of key {key!r} outside [0, {starts[-1]})")
+        view = np.searchsorted(starts, indices, side="right") - 1
+        out = np.empty(len(indices), dtype=self._values[key][0].dtype)
+        for s in np.unique(view):
+            at = view == s
+            out[at] = self._values[key][s][indices[at] - starts[s]]
+        return out
+
     def _array(self, begin: int, end: int, key: str) -> np.ndarray:
         starts = self._starts[key]
         if not 0 <= begin <= end <= starts[-1]:
