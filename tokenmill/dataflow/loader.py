@@ -153,7 +153,16 @@ class DataflowLoader:
                 )
             )
         try:
-            for batch, position, counters in outputs:
+            while True:
+                try:
+                    batch, position, counters = next(outputs)
+                except StopIteration:
+                    return
+                except (EOFError, ConnectionError) as err:
+                    # a worker that dies while the parent collects its batch's shared memory
+                    raise RuntimeError(
+                        "DataLoader worker exited unexpectedly while handing over a batch"
+                    ) from err
                 self._position, self.counters = position, counters
                 self.consumed_batches += 1
                 yield batch
