@@ -62,7 +62,7 @@ def test_simple_batcher_groups_in_order_and_refuses_another_size():
     groups = list(SimpleBatcher(3).batches(iter([sample(i, 1) for i in range(7)])))
     assert indices(groups) == [[0, 1, 2], [3, 4, 5], [6]]
     state = SimpleBatcher(8).state_dict()
-    assert state == {"version": 1, "batcher": "SimpleBatcher", "batch_size": 8}
+    assert state == {"version": 2, "batcher": "SimpleBatcher", "batch_size": 8}
     with pytest.raises(ValueError, match="batch_size: saved 8, now 16"):
         SimpleBatcher(16).load_state_dict(state)
     with pytest.raises(TypeError):
@@ -133,7 +133,7 @@ def test_packing_state_names_pending_and_skip_and_refuses_another_budget():
     next(groups), next(groups)
     assert fed.state_dict() == {
         "batcher": {
-            "version": 1,
+            "version": 2,
             "batcher": "PoolPackingBatcher",
             "budget": 10,
             "pool_size": 6,

@@ -86,8 +86,8 @@ def test_any_distributor_gives_one_sequence_for_every_num_workers():
         )
 
     reference = [b["input_ids"].flatten().tolist() for b in make(0)]
-    # three from the list per one from the shuffled map (epoch_order(5, 1, 0) = 4 0 1 2 3)
-    assert reference == [[0, 4, 1], [2, 3, 0], [4, 5, 6], [1, 7, 8], [9, 2, 10], [11, 12, 3]]
+    # three from the list per one from the shuffled map (epoch_order(5, 1, 0) = 0 4 3 2 1)
+    assert reference == [[0, 0, 1], [2, 3, 4], [4, 5, 6], [3, 7, 8], [9, 2, 10], [11, 12, 1]]
     assert [b["input_ids"].flatten().tolist() for b in make(2)] == reference
 
 
@@ -111,7 +111,7 @@ def test_state_counts_consumed_batches_not_prefetched_ones():
     assert state["consumed_batches"] == 3
     assert state["position"]["distributor"]["consumed"] == 12  # 3 batches of 4
     assert state["position"]["batcher"] == {
-        "version": 1,
+        "version": 2,
         "batcher": "SimpleBatcher",
         "batch_size": 4,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,10 +16,11 @@ from tokenmill.training.state import (
     data_parallel_coordinates,
     epoch_end,
     epoch_order,
+    order_at,
 )
 
-ORDER_42_0 = [5, 6, 0, 7, 3, 2, 4, 9, 1, 8]
-ORDER_42_1 = [2, 8, 9, 5, 7, 1, 4, 6, 0, 3]
+ORDER_42_0 = [7, 9, 1, 4, 3, 0, 2, 6, 8, 5]
+ORDER_42_1 = [6, 9, 0, 1, 2, 4, 5, 3, 7, 8]
 
 
 class Sized:
@@ -29,18 +31,37 @@ class Sized:
         return self.n
 
 
-def test_epoch_order_is_pinned_and_depends_on_seed_plus_epoch():
+def test_epoch_order_is_pinned_and_depends_on_seed_and_epoch():
     assert epoch_order(10, 42, 0).tolist() == ORDER_42_0
     assert epoch_order(10, 42, 1).tolist() == ORDER_42_1
-    assert epoch_order(10, 41, 1).tolist() == ORDER_42_0  # seed + epoch is the whole seed
+    assert epoch_order(10, 41, 1).tolist() != ORDER_42_0  # (seed, epoch), not seed + epoch
+    assert order_at(np.asarray([12, 3]), 10, 42, 0).tolist() == [ORDER_42_0[2], ORDER_42_0[3]]
     assert epoch_order(4, 42, 0, shuffle=False).tolist() == [0, 1, 2, 3]
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**40), epoch=st.integers(0, 10**6))
+def test_order_at_is_a_permutation_for_any_size_seed_and_epoch(n, seed, epoch):
+    order = epoch_order(n, seed, epoch)
+    assert np.array_equal(np.sort(order), np.arange(n))
+    # positions read one at a time, or past the end (padding), agree with the whole epoch
+    picks = np.asarray([0, n - 1, n, 2 * n + 1])
+    assert order_at(picks, n, seed, epoch).tolist() == order[picks % n].tolist()
+
+
+def test_order_at_spreads_every_index_over_every_position():
+    """Over 4,000 epochs, each of 8 indices lands at position 0 about 500 times (a biased
+    permutation, such as a near-identity or a fixed cycle, would not)."""
+    first = [int(order_at(np.asarray([0]), 8, 7, epoch)[0]) for epoch in range(4000)]
+    counts = np.bincount(first, minlength=8)
+    assert counts.min() > 400 and counts.max() < 600, counts
 
 
 def test_ranks_read_round_robin_positions_and_pad_with_the_first_indices():
     ranks = [list(RDSampler(Sized(10), rank=r, world_size=4)) for r in range(4)]
-    assert ranks == [[5, 3, 1], [6, 2, 8], [0, 4, 5], [7, 9, 6]]  # 5 and 6 repeat as padding
+    assert ranks == [[7, 3, 8], [9, 0, 5], [1, 2, 7], [4, 6, 9]]  # 7 and 9 repeat as padding
     cut = [list(RDSampler(Sized(10), rank=r, world_size=4, drop_last=True)) for r in range(4)]
-    assert cut == [[5, 3], [6, 2], [0, 4], [7, 9]]
+    assert cut == [[7, 3], [9, 0], [1, 2], [4, 6]]
 
 
 @settings(max_examples=60, deadline=None)
@@ -104,7 +125,7 @@ def test_state_is_plain_data_and_start_iter_counts_all_ranks():
     sampler.advance(3)
     state = sampler.state_dict()
     assert state == {
-        "version": 1,
+        "version": 2,
         "seed": 42,
         "shuffle": True,
         "drop_last": False,

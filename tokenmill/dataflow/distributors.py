@@ -12,8 +12,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
-import numpy as np
-
 from tokenmill.dataflow.batchers import token_count
 from tokenmill.shards.format import trained_count
 from tokenmill.training.state import (
@@ -21,7 +19,7 @@ from tokenmill.training.state import (
     check_state,
     data_fingerprint,
     epoch_end,
-    epoch_order,
+    order_blocks,
     order_setup,
     order_state,
 )
@@ -106,7 +104,7 @@ class _IndexedDistributor(DataDistributor):
 
 
 class MapDistributor(_IndexedDistributor):
-    """A map-style dataset shuffled per epoch by seed + epoch (`training.state.epoch_order`).
+    """A map-style dataset shuffled per epoch by (seed, epoch) (`training.state.order_at`).
 
     Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
     count of consumed positions: O(1) to resume, under any world size. Streams `num_epochs`
@@ -127,12 +125,6 @@ class MapDistributor(_IndexedDistributor):
         self.drop_last, self.num_epochs = drop_last, num_epochs
         self.fingerprint = data_fingerprint(dataset)
         self.epoch, self.consumed = 0, 0
-        self._cache: tuple[int, np.ndarray] | None = None
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._cache is None or self._cache[0] != epoch:
-            self._cache = (epoch, epoch_order(len(self.dataset), self.seed, epoch, self.shuffle))
-        return self._cache[1]
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[int]:
         _check_coordinates(dp_rank, dp_world_size)
@@ -142,11 +134,13 @@ class MapDistributor(_IndexedDistributor):
         while self.num_epochs is None or self.epoch < self.num_epochs:
             epoch, start = self.epoch, self.consumed
             end = epoch_end(n, start, dp_world_size, self.drop_last)
-            order = self._order(epoch)
-            for position in range(start + dp_rank, end, dp_world_size):
+            order = order_blocks(
+                start + dp_rank, end, dp_world_size, n, self.seed, epoch, self.shuffle
+            )
+            for position, index in zip(range(start + dp_rank, end, dp_world_size), order):
                 done = position - dp_rank + dp_world_size  # every rank is past this round
                 self.epoch, self.consumed = (epoch + 1, 0) if done >= end else (epoch, done)
-                yield int(order[position % n])
+                yield index
             self.epoch, self.consumed = epoch + 1, 0
 
     def fetch(self, index: int) -> Any:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 from torch.utils.data import Sampler
 
 from tokenmill.training.state import (
@@ -14,7 +13,7 @@ from tokenmill.training.state import (
     data_fingerprint,
     data_parallel_coordinates,
     epoch_end,
-    epoch_order,
+    order_blocks,
     order_setup,
     order_state,
 )
@@ -51,7 +50,6 @@ class RDSampler(Sampler[int]):
             raise ValueError(f"start_epoch must be >= 0, got {start_epoch}")
         self.epoch, self.consumed = start_epoch, 0
         self._set_consumed(start_iter)
-        self._cache: tuple[int, np.ndarray] | None = None
 
     def _set_consumed(self, consumed: int) -> None:
         end = epoch_end(self.num_items, consumed, self.world_size, self.drop_last)
@@ -59,25 +57,17 @@ class RDSampler(Sampler[int]):
         if end == consumed:  # nothing of this epoch is left for any rank
             self.epoch, self.consumed = self.epoch + 1, 0
 
-    def _order(self) -> np.ndarray:
-        if self._cache is None or self._cache[0] != self.epoch:
-            self._cache = (
-                self.epoch,
-                epoch_order(self.num_items, self.seed, self.epoch, self.shuffle),
-            )
-        return self._cache[1]
-
-    def _positions(self) -> np.ndarray:
-        end = epoch_end(self.num_items, self.consumed, self.world_size, self.drop_last)
-        return np.arange(self.consumed + self.rank, end, self.world_size)
-
     def __iter__(self) -> Iterator[int]:
         """This rank's remaining indices of the current epoch; iterating changes no state."""
-        order = self._order()
-        return iter(order[self._positions() % self.num_items].tolist())
+        end = epoch_end(self.num_items, self.consumed, self.world_size, self.drop_last)
+        return order_blocks(
+            self.consumed + self.rank, end, self.world_size, self.num_items, self.seed,
+            self.epoch, self.shuffle,
+        )  # fmt: skip
 
     def __len__(self) -> int:
-        return len(self._positions())
+        end = epoch_end(self.num_items, self.consumed, self.world_size, self.drop_last)
+        return len(range(self.consumed + self.rank, end, self.world_size))
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning; the current epoch keeps its consumed count."""

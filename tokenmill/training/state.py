@@ -7,19 +7,82 @@ States carry a version and their setup, and refuse to load under another one.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch.distributed as dist
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the per-position order (order_at) replaced a PCG64 permutation
+
+
+_MASK64 = (1 << 64) - 1
+_ROUNDS = 6
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays: every input bit reaches every output bit."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _round_keys(seed: int, epoch: int) -> list[np.uint64]:
+    base = _mix(np.asarray([(seed * 0x9E3779B97F4A7C15 + epoch) & _MASK64], dtype=np.uint64))
+    return [
+        _mix(base ^ np.uint64((r + 1) * 0xD1B54A32D192ED03 & _MASK64))[0] for r in range(_ROUNDS)
+    ]
+
+
+def _feistel(x: np.ndarray, half: int, keys: list[np.uint64]) -> np.ndarray:
+    """A balanced Feistel network on 2 * `half`-bit integers: a bijection of [0, 4**half)."""
+    low = np.uint64((1 << half) - 1)
+    left, right = x >> np.uint64(half), x & low
+    for key in keys:
+        left, right = right, left ^ (_mix(right ^ key) & low)
+    return (left << np.uint64(half)) | right
+
+
+def order_at(
+    positions: np.ndarray, num_items: int, seed: int, epoch: int, shuffle: bool = True
+) -> np.ndarray:
+    """Dataset indices at global positions of one epoch's order, computed per position: a
+    pseudo-random permutation of [0, num_items) keyed by (seed, epoch) (a Feistel network,
+    cycle-walked into range), so no process holds an epoch-sized array. A position past the
+    end reads position % num_items (the padding of epoch_end)."""
+    positions = np.asarray(positions, dtype=np.int64) % max(num_items, 1)
+    if not shuffle or num_items <= 1:
+        return positions
+    half = max(1, ((num_items - 1).bit_length() + 1) // 2)
+    keys = _round_keys(seed, epoch)
+    out = _feistel(positions.astype(np.uint64), half, keys)
+    outside = np.flatnonzero(out >= np.uint64(num_items))
+    while len(outside):  # cycle walking: the domain is at most 4 * num_items, so few rounds
+        out[outside] = _feistel(out[outside], half, keys)
+        outside = outside[out[outside] >= np.uint64(num_items)]
+    return out.astype(np.int64)
 
 
 def epoch_order(num_items: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """Dataset indices of one epoch in global order: a PCG64 permutation seeded by seed + epoch."""
-    if not shuffle:
-        return np.arange(num_items, dtype=np.int64)
-    return np.random.Generator(np.random.PCG64(seed + epoch)).permutation(num_items)
+    """Dataset indices of one epoch in global order (`order_at` of every position): for tests
+    and tools; loaders compute the positions they read, a block at a time."""
+    return order_at(np.arange(num_items, dtype=np.int64), num_items, seed, epoch, shuffle)
+
+
+def order_blocks(
+    start: int,
+    end: int,
+    step: int,
+    num_items: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    block: int = 1024,
+) -> Iterator[int]:
+    """Dataset indices at positions range(start, end, step), computed `block` at a time."""
+    for first in range(start, end, step * block):
+        positions = np.arange(first, min(end, first + step * block), step, dtype=np.int64)
+        yield from order_at(positions, num_items, seed, epoch, shuffle).tolist()
 
 
 def epoch_end(num_items: int, consumed: int, world_size: int, drop_last: bool) -> int:
