@@ -4,6 +4,8 @@ import copy
 import json
 import pickle
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -191,7 +193,7 @@ def test_fetch_copies_only_the_window_and_warns_nothing(sft_store):
         window = sft_store.fetch(0, 4, "sequence")  # inside shard 0: a slice of the memmap
         record = sft_store.fetch_record(0, "sequence")
     for part in ("values", "offsets"):  # read-only maps of the files, nothing loaded per record
-        array = getattr(sft_store._views[0].columns["sequence"], part)
+        array = getattr(sft_store._columns(0)["sequence"], part)
         assert (
             isinstance(array.base, np.memmap)
             and array.base.mode == "r"
@@ -214,7 +216,7 @@ def test_before_load_the_store_says_so():
             call()
 
 
-def test_truncated_bin_and_short_offsets_fail_at_load(tmp_path):
+def test_truncated_bin_fails_at_load_and_bad_offsets_at_the_shards_first_read(tmp_path):
     write(tmp_path, list(sft_records()), SFT, "sequence", 20)
     shard = tmp_path / "shard_00003"
     with open(shard / "loss_mask.bin", "r+b") as f:
@@ -232,11 +234,13 @@ def test_truncated_bin_and_short_offsets_fail_at_load(tmp_path):
     ):
         MmapStore().load(tmp_path)
     np.array([0, 13], "<i8").tofile(shard / "position_ids.offsets.bin")
+    store = MmapStore().load(tmp_path)  # sizes are right; the shard is mapped on first use
     with pytest.raises(
         ValueError,
         match="position_ids.offsets.bin: key 'position_ids': runs 0 .. 13, expected 0 .. 30",
     ):
-        MmapStore().load(tmp_path)
+        for i in range(store.num_records):
+            store.fetch_record(i, "sequence")
 
 
 def test_manifest_listing_a_missing_shard_fails_at_load(sft_dir, tmp_path):
@@ -606,3 +610,32 @@ def test_an_edited_meta_json_is_caught_at_load_and_by_verify(tmp_path):
     ]
     with pytest.raises(ValueError, match=r"meta.json of \['shard_00000'\] edited since written"):
         MmapStore().load(out)
+
+
+@pytest.mark.slow
+def test_a_store_of_more_shards_than_open_files_reads_every_record(tmp_path):
+    """Shards are mapped on first use and at most MAX_OPEN_SHARDS stay open: 400 shards of
+    4 files each read under a 256 open-file limit (mapping all would hold 1,600)."""
+    with ShardWriter(tmp_path, SFT, "sequence", max_tokens_per_shard=2) as writer:
+        for i in range(400):
+            writer.add(
+                {
+                    "sequence": np.full(2, i),
+                    "loss_mask": np.ones(2, bool),
+                    "position_ids": np.arange(2),
+                }
+            )
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
+        "from tokenmill.training.mmap_store import MmapStore\n"
+        "store = MmapStore().load(sys.argv[1])\n"
+        "firsts = [int(store.fetch_record(i, 'sequence')[0]) for i in range(store.num_records)]\n"
+        "assert firsts == list(range(400)), firsts[:10]\n"
+        "print(len(store._loaded()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["400"]

@@ -89,8 +89,18 @@ def map_shard(shard: Path, meta: dict) -> dict[str, Column]:
     return columns
 
 
-def map_array(path: Path, dtype: str, count: int, key: str) -> np.ndarray:
-    """np.memmap of a flat file, after checking its size: a truncated shard fails here."""
+def check_sizes(shard: Path, meta: dict) -> None:
+    """Every file of a shard has the size its meta.json gives: a stat per file, none opened
+    (a store checks every shard at load and maps each on first use)."""
+    for key, entry in meta.items():
+        check_size(shard / f"{key}.bin", entry["dtype"], entry["shape"][0], key)
+        for part in ("items", "offsets"):
+            bounds = entry.get(part)
+            if isinstance(bounds, dict):
+                check_size(shard / bounds["file"], "int64", bounds["count"], key)
+
+
+def check_size(path: Path, dtype: str, count: int, key: str) -> None:
     expected = count * DTYPES[dtype].itemsize
     size = path.stat().st_size if path.is_file() else None
     if size != expected:
@@ -98,6 +108,11 @@ def map_array(path: Path, dtype: str, count: int, key: str) -> np.ndarray:
         raise ValueError(
             f"{path}: key {key!r}: {found}, expected {expected} bytes ({count} x {dtype}); the shard is truncated or corrupted, run `tokenmill verify`"
         )
+
+
+def map_array(path: Path, dtype: str, count: int, key: str) -> np.ndarray:
+    """np.memmap of a flat file, after checking its size: a truncated shard fails here."""
+    check_size(path, dtype, count, key)
     if count == 0:
         return np.empty(0, DTYPES[dtype])
     # A plain ndarray view of the read-only map: slicing skips np.memmap's Python-level hooks.

@@ -68,7 +68,7 @@ class JsonlStore(Store):
         if not buffer.records:
             raise ValueError(f"{path}: no records to load (skipped: {self.skipped or 'none'})")
         self.fingerprint = _files_digest(self.files)
-        self._set_views([ShardView(str(path), buffer.build(), buffer.records)])
+        self._set_views([ShardView.of(str(path), buffer.build(), buffer.records)])
         return self
 
     # --- lazy mode: an int64 array of line positions, one record processed per fetch -----

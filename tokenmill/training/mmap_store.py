@@ -9,11 +9,13 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
-from tokenmill.shards.format import RUN_DIR, checksum, shard_records
+from tokenmill.shards.format import DTYPES, RUN_DIR, checksum, shard_records
 from tokenmill.shards.manifest import listed, read_manifest
-from tokenmill.shards.reader import find_shards, map_shard, read_meta
+from tokenmill.shards.reader import check_sizes, find_shards, map_shard, read_meta
 from tokenmill.shards.verify import verify_dataset
 from tokenmill.training.store import ShardView, Store, Transform
 
@@ -95,12 +97,15 @@ class MmapStore(Store):
         return [d for d in shards if d.relative_to(root).as_posix() in names]
 
     def _map(self) -> None:
-        self._set_views(
-            [
-                ShardView(rel, map_shard(self.root / rel, meta), shard_records(meta))
-                for rel, meta in self._metas
-            ]
-        )
+        """A view per shard, its files' sizes checked now and mapped on first use."""
+        views = []
+        for rel, meta in self._metas:
+            check_sizes(self.root / rel, meta)
+            sizes = {k: int(e["shape"][0]) for k, e in meta.items()}
+            dtypes = {k: DTYPES[e["dtype"]] for k, e in meta.items()}
+            opener = partial(map_shard, self.root / rel, meta)
+            views.append(ShardView(rel, shard_records(meta), sizes, dtypes, open=opener))
+        self._set_views(views)
 
     @property
     def fingerprint(self) -> str:
@@ -121,6 +126,7 @@ class MmapStore(Store):
         state = dict(self.__dict__)
         if state.get("_views") is not None:
             state.update(_views=None, _starts=None, _record_starts=None, _values={})
+            state["_opened"] = OrderedDict()
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -20,6 +21,7 @@ import torch
 from tokenmill.shards.format import Column, primary_key
 
 Transform = Callable[[dict], dict]
+MAX_OPEN_SHARDS = 32  # an open shard holds a file descriptor per file (Python < 3.13 mmap); the limit is often 1,024
 
 
 def window_count(token_count: int, window_size: int, stride: int) -> int:
@@ -40,11 +42,31 @@ def to_tensor(values: Any) -> torch.Tensor:
 
 @dataclass
 class ShardView:
-    """One shard (or one in-memory JSONL load): its columns and record count."""
+    """One shard (or one in-memory JSONL load): its record count, each key's element count
+    and dtype, and its columns: given (in memory) or opened by `open` on first use."""
 
     name: str
-    columns: dict[str, Column]
     records: int
+    sizes: dict[str, int]
+    dtypes: dict[str, np.dtype]
+    columns: dict[str, Column] | None = None
+    open: Callable[[], dict[str, Column]] | None = None
+
+    @classmethod
+    def of(cls, name: str, columns: dict[str, Column], records: int) -> ShardView:
+        """A view of columns already in memory."""
+        sizes = {k: len(c.values) for k, c in columns.items()}
+        return cls(name, records, sizes, {k: c.values.dtype for k, c in columns.items()}, columns)
+
+
+class _KeyValues:
+    """One key's values, view by view: `values[s]` opens view s on first use."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.store, self.key = store, key
+
+    def __getitem__(self, s: int) -> np.ndarray:
+        return self.store._columns(s)[self.key].values
 
 
 class Store:
@@ -60,7 +82,9 @@ class Store:
         self.stride = stride or window_size
         self._views: list[ShardView] | None = None
         self._starts: dict[str, list[int]] = {}
-        self._values: dict[str, list[np.ndarray]] = {}  # key -> each view's values
+        self._values: dict[str, _KeyValues] = {}  # key -> each view's values
+        self._opened: OrderedDict[int, dict[str, Column]] = OrderedDict()  # lazily opened views
+        self.max_open_shards = MAX_OPEN_SHARDS
         self._shared_starts: list[int] = []  # the primary key's view starts
         self._stream_keys: set[str] = set()  # the keys whose views start where the primary's do
         self._num_samples = 0
@@ -77,23 +101,22 @@ class Store:
     # --- layout --------------------------------------------------------------------------
     def _set_views(self, views: list[ShardView]) -> None:
         """Checks every view has the first one's keys and dtypes; builds cumulative starts."""
-        first = views[0].columns
+        first = views[0].dtypes
         for view in views[1:]:
-            if view.columns.keys() != first.keys():
+            if view.dtypes.keys() != first.keys():
                 raise ValueError(
-                    f"{view.name}: keys {sorted(view.columns)} differ from {views[0].name}'s {sorted(first)}"
+                    f"{view.name}: keys {sorted(view.dtypes)} differ from {views[0].name}'s {sorted(first)}"
                 )
-            for key, col in view.columns.items():
-                if col.values.dtype != first[key].values.dtype:
+            for key, dtype in view.dtypes.items():
+                if dtype != first[key]:
                     raise ValueError(
-                        f"{view.name}: key {key!r} is {col.values.dtype}, {views[0].name} has {first[key].values.dtype}"
+                        f"{view.name}: key {key!r} is {dtype}, {views[0].name} has {first[key]}"
                     )
         self._keys = list(first)
-        self._starts = {
-            k: cumulative([len(s.columns[k].values) for s in views]) for k in self._keys
-        }
+        self._starts = {k: cumulative([s.sizes[k] for s in views]) for k in self._keys}
         self._record_starts = cumulative([s.records for s in views])
-        self._values = {k: [s.columns[k].values for s in views] for k in self._keys}
+        self._values = {k: _KeyValues(self, k) for k in self._keys}
+        self._opened = OrderedDict()
         self._shared_starts = self._starts[primary_key(self._keys)]
         self._stream_keys = {k for k, st in self._starts.items() if st == self._shared_starts}
         self._views = views
@@ -101,6 +124,22 @@ class Store:
             self._num_samples = window_count(
                 self.token_count, self.window_size, self.stride or self.window_size
             )
+
+    def _columns(self, s: int) -> dict[str, Column]:
+        """View s's columns; a lazily opened view stays open among the `max_open_shards` most
+        recently used, so a store of thousands of shards keeps few files mapped."""
+        view = self._loaded()[s]
+        if view.columns is not None:
+            return view.columns
+        columns = self._opened.get(s)
+        if columns is not None:
+            self._opened.move_to_end(s)
+            return columns
+        assert view.open is not None, "a view has columns or a way to open them"
+        columns = self._opened[s] = view.open()
+        while len(self._opened) > self.max_open_shards:
+            self._opened.popitem(last=False)
+        return columns
 
     def _loaded(self) -> list[ShardView]:
         if self._views is None:
@@ -193,7 +232,7 @@ class Store:
         if len(indices) and not (0 <= indices.min() and indices.max() < starts[-1]):
             raise IndexError(f"gather of key {key!r} outside [0, {starts[-1]})")
         view = np.searchsorted(starts, indices, side="right") - 1
-        out = np.empty(len(indices), dtype=self._values[key][0].dtype)
+        out = np.empty(len(indices), dtype=self._loaded()[0].dtypes[key])
         for s in np.unique(view):
             at = view == s
             out[at] = self._values[key][s][indices[at] - starts[s]]
@@ -204,7 +243,7 @@ class Store:
         if not 0 <= begin <= end <= starts[-1]:
             raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
         values = self._values[key]
-        s = min(bisect_right(starts, begin) - 1, len(values) - 1)
+        s = min(bisect_right(starts, begin) - 1, len(starts) - 2)
         if end <= starts[s + 1]:  # inside one view: one slice
             return values[s][begin - starts[s] : end - starts[s]]
         pieces, pos = [], begin
@@ -229,14 +268,14 @@ class Store:
     def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
         """Record i's arrays by offsets: the view by bisection, then its offsets."""
         s = bisect_right(self._record_starts, i) - 1
-        view, local = self._loaded()[s], i - self._record_starts[s]
-        return {key: _record_value(view, self._key(key), local) for key in keys}
+        name, columns, local = self._loaded()[s].name, self._columns(s), i - self._record_starts[s]
+        return {key: _record_value(name, columns[self._key(key)], key, local) for key in keys}
 
     def record_lengths(self, key: str) -> np.ndarray:
         """Elements of `key` in each record (all items of a list key), from offsets alone."""
         views = []
-        for view in self._loaded():
-            col = view.columns[self._key(key)]
+        for s, view in enumerate(self._loaded()):
+            col = self._columns(s)[self._key(key)]
             if col.offsets is None:
                 raise ValueError(f"{view.name}: key {key!r} has no record offsets")
             bounds = np.asarray(
@@ -251,11 +290,10 @@ def cumulative(lengths: list[int]) -> list[int]:
     return [0, *accumulate(int(n) for n in lengths)]
 
 
-def _record_value(view: ShardView, key: str, local: int) -> Any:
-    col = view.columns[key]
+def _record_value(name: str, col: Column, key: str, local: int) -> Any:
     if col.offsets is None:
         raise ValueError(
-            f"{view.name}: key {key!r} has no record offsets, so it reads only as a stream (fetch)"
+            f"{name}: key {key!r} has no record offsets, so it reads only as a stream (fetch)"
         )
     a, b = int(col.offsets[local]), int(col.offsets[local + 1])
     if col.items is None:
