@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -27,7 +28,9 @@ from tokenmill.dataflow import (
     SimpleBatcher,
     TruncateProcessor,
 )
+from tokenmill.dataflow.batchers import token_count
 from tokenmill.dataflow.distributors import DataDistributor
+from tokenmill.dataflow.loader import plans_from_lengths
 from tokenmill.training.state import epoch_order
 
 ROOT = ROOT
@@ -71,6 +74,9 @@ def test_the_batch_sequence_is_the_same_for_every_num_workers(kind, packing):
     reference = list(loader(kind, packing))
     for workers in (1, 2, 3):
         assert same(list(loader(kind, packing, workers)), reference), f"num_workers={workers}"
+    for threads in (1, 2, 3):
+        got = list(loader(kind, packing, num_threads=threads))
+        assert same(got, reference), f"num_threads={threads}"
     ids = sorted(i for b in reference for i in sample_ids(b))
     assert ids == sorted(list(range(20)) * 2)  # two epochs, every sample once per epoch
 
@@ -91,11 +97,14 @@ def test_any_distributor_gives_one_sequence_for_every_num_workers():
     assert [b["input_ids"].flatten().tolist() for b in make(2)] == reference
 
 
-@pytest.mark.parametrize("packing, workers", [(False, 0), (False, 2), (True, 0), (True, 2)])
-def test_loader_resumes_exactly_across_an_epoch_boundary(packing, workers):
+@pytest.mark.parametrize(
+    "packing, workers, threads",
+    [(False, 0, 0), (False, 2, 0), (True, 0, 0), (True, 2, 0), (False, 0, 2), (True, 0, 2)],
+)
+def test_loader_resumes_exactly_across_an_epoch_boundary(packing, workers, threads):
     per_epoch = len(list(loader("sft", packing, epochs=1)))
     check_resume(
-        lambda: loader("sft", packing, workers),
+        lambda: loader("sft", packing, workers, num_threads=threads),
         iter,
         points=[per_epoch - 1, per_epoch, per_epoch + 1],
     )
@@ -179,6 +188,42 @@ class DieInWorker(RawItemProcessor):
         return item
 
 
+class Unreadable(RawItemProcessor):
+    """Raises on the item whose first token is `index`."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def process(self, item: dict) -> dict:
+        if int(item["input_ids"][0]) == self.index:
+            raise ValueError(f"sample {self.index} is unreadable")
+        return item
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_an_error_in_a_reading_thread_raises_in_the_training_loop_and_stops_the_threads(threads):
+    victim = int(epoch_order(20, 9, 0)[10])
+    broken = DataflowLoader(
+        MapDistributor(ToyDataset("seq", 20), seed=9),
+        batch_size=2,
+        processor=Unreadable(victim),
+        num_threads=threads,
+    )
+    with pytest.raises(ValueError, match=f"sample {victim} is unreadable"):
+        list(broken)
+    stopped = time.monotonic() + 5
+    while time.monotonic() < stopped and threading.active_count() > 1:
+        time.sleep(0.01)
+    assert threading.active_count() == 1
+
+
+def test_leaving_a_threaded_loader_early_stops_its_threads():
+    batches = iter(loader(num_threads=2, prefetch_factor=1))
+    next(batches)
+    batches.close()  # what a `break` out of the training loop does
+    assert threading.active_count() == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sleep", [False, True], ids=["worker-dies", "worker-hangs"])
 def test_a_dead_or_stuck_worker_raises_in_the_main_process_within_seconds(sleep):
@@ -231,3 +276,41 @@ def test_processors_pass_items_through_or_cut_token_arrays():
     assert ends["responses"] is item["responses"]
     with pytest.raises(TypeError, match="key 'rewards' is not a 1-D token tensor"):
         TruncateProcessor(1, keys=["rewards"]).process(item)
+
+
+class Counted(ToyDataset):
+    """A ToyDataset that counts the items read in this process."""
+
+    reads = 0
+
+    def __getitem__(self, index: int) -> dict:
+        Counted.reads += 1
+        return super().__getitem__(index)
+
+    def sample_length(self, index: int) -> int:
+        return ToyDataset(self.kind, self.size, self.seed).sample_length(index)
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo", "grpo"])
+def test_packing_plans_from_stored_lengths_as_it_would_by_reading(kind):
+    """Packing batchers plan their groups from the dataset's `sample_length` (no read) and give
+    the same batches and states as when they measure each item read; a worker then reads only
+    the items of its own groups."""
+
+    def make(measure: bool, threads: int = 0) -> DataflowLoader:
+        batcher, collator = roles(kind, True)
+        if measure:  # a size_fn of its own: the batcher must read every item to measure it
+            batcher.size_fn = lambda item: token_count(item)
+        distributor = MapDistributor(Counted(kind, 30), seed=9, num_epochs=1)
+        return DataflowLoader(distributor, batcher=batcher, collator=collator, num_threads=threads)
+
+    planned, measured = make(False), make(True)
+    assert plans_from_lengths(planned.distributor, planned.processor, planned.batcher)
+    assert not plans_from_lengths(measured.distributor, measured.processor, measured.batcher)
+    Counted.reads = 0
+    reference = list(measured)
+    assert Counted.reads == 30
+    assert same(check_resume(lambda: make(False), iter, points=[2, 3]), reference)
+    Counted.reads = 0
+    assert same(list(make(False, threads=3)), reference)
+    assert Counted.reads == 30  # three threads, each reading only its groups' items

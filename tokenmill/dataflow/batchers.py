@@ -99,13 +99,26 @@ class _PackingBatcher(SampleBatcher):
     def sample_size(self, sample: dict) -> int:
         return self.size_fn(sample)
 
+    def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
+        return self.plan((sample, self.sample_size(sample)) for sample in samples)
+
+    @abstractmethod
+    def plan(self, sized: Iterator[tuple[Any, int]]) -> Iterator[list[Any]]:
+        """Groups of what comes with each size: samples, or (the loader, where sizes are stored)
+        indices, so that groups are planned without reading a sample."""
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Sizes are token counts (the default size_fn): a dataset's stored lengths give them."""
+        return self.size_fn is token_count and type(self).sample_size is _PackingBatcher.sample_size
+
     @property
     def efficiency(self) -> float:
         """Share of the groups' token budget filled with real tokens (1.0 = no padding)."""
         groups = self.counters["groups"]
         return self.counters["tokens"] / (groups * self.budget) if groups else 0.0
 
-    def _count(self, group: list[dict], sizes: list[int]) -> list[dict]:
+    def _count(self, group: list[Any], sizes: list[int]) -> list[Any]:
         self.counters["groups"] += 1
         self.counters["samples"] += len(group)
         self.counters["tokens"] += sum(sizes)
@@ -133,12 +146,11 @@ class SequentialPackingBatcher(_PackingBatcher):
 
     name = "SequentialPackingBatcher"
 
-    def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
-        group: list[dict] = []
+    def plan(self, sized: Iterator[tuple[Any, int]]) -> Iterator[list[Any]]:
+        group: list[Any] = []
         sizes: list[int] = []
         used = 0
-        for sample in samples:
-            size = self.sample_size(sample)
+        for sample, size in sized:
             if size > self.budget:
                 self.counters["dropped"] += 1
                 continue
@@ -172,13 +184,12 @@ class PoolPackingBatcher(_PackingBatcher):
     def _setup(self) -> dict[str, Any]:
         return {**super()._setup(), "pool_size": self.pool_size}
 
-    def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
-        samples = iter(samples)
+    def plan(self, sized: Iterator[tuple[Any, int]]) -> Iterator[list[Any]]:
+        sized = iter(sized)
         skip, self.skip = self.skip, 0
-        while pool := list(islice(samples, self.pool_size)):
-            measured = [(s, self.sample_size(s)) for s in pool]
-            kept = [s for s, size in measured if size <= self.budget]
-            sizes = [size for _, size in measured if size <= self.budget]
+        while pool := list(islice(sized, self.pool_size)):
+            kept = [s for s, size in pool if size <= self.budget]
+            sizes = [size for _, size in pool if size <= self.budget]
             self.counters["dropped"] += len(pool) - len(kept)
             groups = [sorted(group) for group in best_fit(sizes, self.budget)]
             for j, positions in enumerate(groups):

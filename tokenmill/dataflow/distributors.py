@@ -146,6 +146,23 @@ class MapDistributor(_IndexedDistributor):
     def fetch(self, index: int) -> Any:
         return self.dataset[index]
 
+    @property
+    def windowed(self) -> bool:
+        """The dataset's items are windows of one length: `fetch_windows` reads a group at once."""
+        return bool(getattr(self.dataset, "fixed_windows", False))
+
+    @property
+    def sized(self) -> bool:
+        """The dataset tells an item's tokens without reading it: packing plans from that."""
+        return callable(getattr(self.dataset, "sample_length", None))
+
+    def sample_length(self, index: int) -> int:
+        return int(self.dataset.sample_length(index))
+
+    def fetch_windows(self, indices: list[int]) -> Any:
+        """Items `indices` as one WindowBatch (see training.datasets)."""
+        return self.dataset.read_windows(indices)
+
     def _setup(self) -> dict[str, Any]:
         return order_setup(self)
 

@@ -1,26 +1,35 @@
-"""DataflowLoader: the four roles in fixed order inside torch DataLoader workers.
+"""DataflowLoader: the four roles in fixed order, in torch DataLoader workers or threads.
 
 DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator -> training step.
 The batch sequence is defined as if one process ran the roles; worker w of N yields
 groups w, w + N, ... of it and torch's DataLoader returns worker outputs round robin, so
-the sequence is the same for every num_workers and a resume continues it exactly. With a
-fixed group size a worker reads only its own groups' items. A packing group depends on
-the sizes of every sample before it, so each worker runs the roles up to the batcher on
-the whole stream and collates only its own groups: exact for any processor, at the cost
-of reading every item once per worker (see benchmarks/bench_loader.py).
+the sequence is the same for every num_workers (and num_threads) and a resume continues it
+exactly. With a fixed group size a worker reads only its own groups' items, and a group of
+windows of one length is read at once and handed over as int32 (`WindowBatch`). A packing
+group depends on the sizes of every sample before it, so each worker plans every group: from
+the dataset's stored lengths where it has them (reading only its own groups' items), else by
+reading the whole stream and collating only its own groups (see benchmarks/bench_loader.py).
 """
 
 from __future__ import annotations
 
+import itertools
+import pickle
+import queue
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
 from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator
 from tokenmill.dataflow.distributors import DataDistributor, worker_share
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
+from tokenmill.training.datasets import WindowBatch
 from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
 
 __all__ = ["DataflowLoader", "run_roles"]
@@ -46,6 +55,12 @@ def run_roles(
     indices = distributor.indices(dp_rank, dp_world_size)
     if block:
         indices = worker_share(indices, worker_id, num_workers, block)
+    if block and reads_windows(distributor, processor, collator):
+        # groups of windows: one read per group, handed over as int32 (WindowBatch)
+        while group := list(islice(indices, block)):
+            position = {"distributor": distributor.state_dict(), "batcher": batcher.state_dict()}
+            yield distributor.fetch_windows(group), position, {}  # type: ignore[attr-defined]
+        return
     positions = {0: distributor.state_dict()}  # packing: distributor state after each sample
     pulled = 0
 
@@ -58,7 +73,18 @@ def run_roles(
                 positions[pulled] = distributor.state_dict()
             yield sample
 
-    for index, group in enumerate(batcher.batches(samples())):
+    def sized() -> Iterator[tuple[Any, int]]:
+        nonlocal pulled
+        for index in indices:
+            size = distributor.sample_length(index)  # type: ignore[attr-defined]
+            pulled += 1
+            positions[pulled] = distributor.state_dict()
+            yield index, size
+
+    # packing on stored lengths: every worker plans every group, and reads only its own
+    planned = not block and plans_from_lengths(distributor, processor, batcher)
+    groups = batcher.plan(sized()) if planned else batcher.batches(samples())  # type: ignore[attr-defined]
+    for index, group in enumerate(groups):
         batcher_state = batcher.state_dict()
         restart = pulled - batcher_state.get("pending", 0)
         if restart == pulled:
@@ -67,7 +93,33 @@ def run_roles(
             positions = {k: v for k, v in positions.items() if k >= restart}
         position = {"distributor": positions[restart], "batcher": batcher_state}
         if block or index % num_workers == worker_id:
+            if planned:
+                group = [distributor.fetch(i) for i in group]
             yield collator.collate(group), position, dict(getattr(batcher, "counters", {}))
+
+
+def plans_from_lengths(
+    distributor: DataDistributor, processor: RawItemProcessor, batcher: SampleBatcher
+) -> bool:
+    """A packing batcher can plan its groups from the dataset's stored lengths: they are the
+    sizes it would measure (token counts of unprocessed items)."""
+    return (
+        getattr(distributor, "sized", False)
+        and type(processor) is IdentityProcessor
+        and getattr(batcher, "counts_tokens", False)
+    )
+
+
+def reads_windows(
+    distributor: DataDistributor, processor: RawItemProcessor, collator: BatchCollator
+) -> bool:
+    """A group can be read at once and give what the roles would: the items are windows of one
+    length, nothing processes them, and the default collator stacks them."""
+    return (
+        getattr(distributor, "windowed", False)
+        and type(processor) is IdentityProcessor
+        and type(collator) is DefaultBatchCollator
+    )
 
 
 class _Roles(IterableDataset):
@@ -83,6 +135,65 @@ class _Roles(IterableDataset):
         return run_roles(*self.roles, *self.coordinates, *worker)
 
 
+def threaded_roles(loader: DataflowLoader) -> Iterator[tuple[dict, dict, dict]]:
+    """The roles run by `num_threads` background threads of this process, merged round robin as
+    DataLoader merges workers: the same sequence, with no process to start and no pipe to cross.
+    Thread t reads groups t, t + N, ... (its own copy of the roles when N > 1); reading ahead
+    overlaps the training step, which releases the GIL, as do numpy's and torch's copies."""
+    n = loader.num_threads
+    roles = (loader.distributor, loader.processor, loader.batcher, loader.collator)
+    copies: list[tuple[Any, Any, Any, Any]] = [roles]
+    if n > 1:
+        copies = [pickle.loads(pickle.dumps(roles)) for _ in range(n)]
+    queues: list[queue.Queue] = [queue.Queue(loader.prefetch_factor) for _ in range(n)]
+    stop = threading.Event()
+
+    def produce(t: int) -> None:
+        outputs = run_roles(*copies[t], loader.dp_rank, loader.dp_world_size, t, n)
+        try:
+            for output in outputs:
+                if not _put(queues[t], output, stop):
+                    return
+            _put(queues[t], _END, stop)
+        except BaseException as err:  # handed to the training loop, which raises it
+            _put(queues[t], _Failed(err), stop)
+
+    threads = [threading.Thread(target=produce, args=(t,), daemon=True) for t in range(n)]
+    for thread in threads:
+        thread.start()
+    try:
+        for t in itertools.cycle(range(n)):
+            output = queues[t].get()
+            if output is _END:  # the thread due next has no group: the sequence has ended
+                return
+            if isinstance(output, _Failed):
+                raise output.error
+            yield output
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+
+
+_END = object()
+
+
+@dataclass
+class _Failed:
+    error: BaseException
+
+
+def _put(into: queue.Queue, output: Any, stop: threading.Event) -> bool:
+    """Put unless the consumer has stopped; False once it has."""
+    while not stop.is_set():
+        try:
+            into.put(output, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _as_is(batch: Any) -> Any:
     return batch
 
@@ -95,7 +206,9 @@ class DataflowLoader:
     counts batches the training loop received, not what workers prefetched; a state saved
     under a setup that cannot continue exactly is refused with the field and both values.
     Fixed-size groups resume under another world size; packing batchers resume on the same
-    rank of the same world size. `timeout` (seconds, num_workers > 0) bounds a stuck worker."""
+    rank of the same world size. `timeout` (seconds, num_workers > 0) bounds a stuck worker.
+    `num_threads=N` (instead of workers) reads ahead in N threads of this process: for
+    memory-mapped data, where a read costs less than handing a batch across processes."""
 
     def __init__(
         self,
@@ -111,6 +224,7 @@ class DataflowLoader:
         timeout: float = 300.0,
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
+        num_threads: int = 0,
     ) -> None:
         if batch_size is not None:
             if batcher is not None or collator is not None:
@@ -121,14 +235,19 @@ class DataflowLoader:
             batcher, collator = SimpleBatcher(batch_size), DefaultBatchCollator()
         if batcher is None:
             raise ValueError("DataflowLoader needs batch_size=N or a batcher")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if num_workers < 0 or num_threads < 0:
+            raise ValueError(
+                f"num_workers and num_threads must be >= 0, got {num_workers}, {num_threads}"
+            )
+        if num_workers and num_threads:
+            raise ValueError("give num_workers (processes) or num_threads (in process), not both")
         self.distributor, self.batcher = distributor, batcher
         self.processor = processor or IdentityProcessor()
         self.collator = collator or DefaultBatchCollator()
         self.dp_rank, self.dp_world_size = data_parallel_coordinates(dp_rank, dp_world_size)
         self.num_workers, self.prefetch_factor, self.timeout = num_workers, prefetch_factor, timeout
         self.pin_memory, self.multiprocessing_context = pin_memory, multiprocessing_context
+        self.num_threads = num_threads
         self.consumed_batches = 0
         self.counters: dict[str, int] = {}
         self._position: dict[str, Any] | None = None  # None: wherever the roles stand now
@@ -137,8 +256,10 @@ class DataflowLoader:
         position = self._current_position()
         self.distributor.load_state_dict(position["distributor"])
         self.batcher.load_state_dict(position["batcher"])
-        if self.num_workers == 0:
-            outputs: Any = iter(_Roles(self))
+        if self.num_threads:
+            outputs: Any = threaded_roles(self)
+        elif self.num_workers == 0:
+            outputs = iter(_Roles(self))
         else:
             outputs = iter(
                 DataLoader(
@@ -163,13 +284,19 @@ class DataflowLoader:
                     raise RuntimeError(
                         "DataLoader worker exited unexpectedly while handing over a batch"
                     ) from err
+                if isinstance(batch, WindowBatch):
+                    batch = batch.tensors()
+                    if self.pin_memory and torch.cuda.is_available():
+                        batch = {k: v.pin_memory() for k, v in batch.items()}
                 self._position, self.counters = position, counters
                 self.consumed_batches += 1
                 yield batch
         finally:
             # Stop workers now: a traceback holding the iterator would keep a dead worker
             # registered, and torch would raise again on the next child exit.
-            shutdown = getattr(outputs, "_shutdown_workers", None)
+            shutdown = getattr(outputs, "_shutdown_workers", None) or getattr(
+                outputs, "close", None
+            )
             if shutdown is not None:
                 shutdown()
 

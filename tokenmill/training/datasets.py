@@ -9,6 +9,7 @@ store and the class.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,8 +75,50 @@ class BaseDataset(Dataset):
         return index + n if index < 0 else index
 
 
+@dataclass
+class WindowBatch:
+    """A batch of fixed-length samples as stored: each key [B, W + 1] in its stored dtype
+    (int32 tokens), the one token more being the last target. This is what crosses a worker
+    pipe: a quarter of the bytes of int64 inputs and targets. `tensors()` makes the batch a
+    trainer takes, on the training side: what DefaultBatchCollator makes of the items."""
+
+    arrays: dict[str, torch.Tensor]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        def widen(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return values.to(dtype).contiguous()
+
+        tokens = self.arrays["sequence"]
+        out = {
+            "input_ids": widen(tokens[:, :-1], torch.int64),
+            "target_ids": widen(tokens[:, 1:], torch.int64),
+        }
+        if "loss_mask" in self.arrays:
+            out["loss_mask"] = widen(self.arrays["loss_mask"][:, 1:], torch.bool)
+        if "position_ids" in self.arrays:
+            out["position_ids"] = widen(self.arrays["position_ids"][:, :-1], torch.int64)
+        return out
+
+
 class _StreamDataset(BaseDataset):
     """Window i is tokens [begin, end); one more token is read for the shifted target."""
+
+    @property
+    def fixed_windows(self) -> bool:
+        """Items are windows of one length: a batch of them reads as one WindowBatch."""
+        return True
+
+    def read_windows(self, indices: list[int]) -> WindowBatch:
+        """Items `indices` as one WindowBatch: `tensors()` of it equals their default collation."""
+        if not self.fixed_windows:
+            raise ValueError(f"{type(self).__name__} items vary in length: read them one by one")
+        n, step, size = len(self), self.store.stride, self.store.window_size
+        at = np.asarray(indices, dtype=np.int64)
+        if len(at) and not (at.min() >= -n and at.max() < n):
+            raise IndexError(f"an index of {indices} is out of range for {n} items")
+        begins = (at % n) * step
+        arrays = self.store.fetch_windows(begins, size + 1, list(self.keys))
+        return WindowBatch({k: torch.from_numpy(v) for k, v in arrays.items()})
 
     def __len__(self) -> int:
         return int(self.store.num_samples)
@@ -191,6 +234,10 @@ class SFTDataset(_StreamDataset):
 
     def __len__(self) -> int:
         return super().__len__() if self.sample == "window" else len(self._lengths)
+
+    @property
+    def fixed_windows(self) -> bool:
+        return self.sample == "window"
 
     def sample_length(self, index: int) -> int:
         if self.sample == "window":

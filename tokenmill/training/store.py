@@ -212,6 +212,26 @@ class Store:
             return {k: self._values[k][s][lo:hi] for k in keys}
         return {k: self._array(begin, end, self._key(k)) for k in keys}
 
+    def fetch_windows(
+        self, begins: np.ndarray, length: int, keys: list[str]
+    ) -> dict[str, np.ndarray]:
+        """[len(begins), length] of each key's stream, row j from begins[j]: a batch of windows
+        read into one array per key (a slice copy per row), with no item per window."""
+        views = self._loaded()
+        out = {
+            k: np.empty((len(begins), length), dtype=views[0].dtypes[self._key(k)]) for k in keys
+        }
+        for j, begin in enumerate(np.asarray(begins, dtype=np.int64).tolist()):
+            inside = self._one_view(begin, begin + length, keys)
+            if inside is not None:
+                s, lo, hi = inside
+                for k in keys:
+                    out[k][j] = self._values[k][s][lo:hi]
+            else:
+                for k in keys:
+                    out[k][j] = self._array(begin, begin + length, k)
+        return out
+
     def _one_view(self, begin: int, end: int, keys: list[str]) -> tuple[int, int, int] | None:
         """(view, local begin, local end) when every key's [begin, end) lies in one view (keys
         outside the primary's stream, or unknown, take the slower path, which names them)."""

@@ -1,0 +1,107 @@
+"""Batches of windows read at once (WindowBatch): the same tensors as the items' default
+collation, handed across the worker pipe as int32, for windows inside and across shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.dataflow import DataflowLoader, DefaultBatchCollator, MapDistributor, SimpleBatcher
+from tokenmill.dataflow.loader import run_roles
+from tokenmill.dataflow.processors import IdentityProcessor
+from tokenmill.shards.writer import ShardWriter
+from tokenmill.training.datasets import SEQDataset, SFTDataset, WindowBatch
+from tokenmill.training.mmap_store import MmapStore
+from tokenmill.training.state import epoch_order
+
+SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
+WINDOW, BATCH, SEED = 7, 4, 3
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Rows of 3 to 20 tokens in shards of about 40: many windows cross a shard boundary."""
+    root = tmp_path_factory.mktemp("windows")
+    rng = np.random.default_rng(0)
+    with ShardWriter(root, SFT, "sequence", max_tokens_per_shard=40) as writer:
+        for _ in range(40):
+            n = int(rng.integers(3, 21))
+            writer.add(
+                {
+                    "sequence": rng.integers(0, 150_000, n),
+                    "loss_mask": rng.random(n) < 0.6,
+                    "position_ids": np.arange(n),
+                }
+            )
+    return root
+
+
+def dataset(kind: str, root: Path):
+    store = MmapStore(window_size=WINDOW).load(root)
+    return SEQDataset(store) if kind == "seq" else SFTDataset(store, sample="window")
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("kind", ["seq", "sft"])
+@pytest.mark.parametrize(
+    "mode", [{}, {"num_workers": 2}, {"num_threads": 1}, {"num_threads": 3}], ids=str
+)
+def test_window_batches_equal_the_default_collation_of_the_items(shards, kind, mode):
+    ds = dataset(kind, shards)
+    assert len(ds.store._loaded()) > 3  # several shards
+    batches = list(
+        DataflowLoader(MapDistributor(ds, seed=SEED, num_epochs=1), batch_size=BATCH, **mode)
+    )
+    order = epoch_order(len(ds), SEED, 0).tolist()
+    assert len(batches) == -(-len(ds) // BATCH)
+    for b, batch in enumerate(batches):
+        expected = DefaultBatchCollator().collate(
+            [ds[i] for i in order[b * BATCH : (b + 1) * BATCH]]
+        )
+        assert sorted(batch) == sorted(expected)
+        for key, tensor in expected.items():
+            assert batch[key].dtype == tensor.dtype and torch.equal(batch[key], tensor), key
+            assert batch[key].is_contiguous(), key  # `.view(-1)` works, as on stacked items
+
+
+@pytest.mark.parametrize("kind", ["seq", "sft"])
+def test_a_worker_hands_over_one_int32_window_per_sample(shards, kind):
+    ds = dataset(kind, shards)
+    roles = (
+        MapDistributor(ds, seed=SEED),
+        IdentityProcessor(),
+        SimpleBatcher(BATCH),
+        DefaultBatchCollator(),
+    )
+    batch, position, _ = next(run_roles(*roles, 0, 1))
+    assert isinstance(batch, WindowBatch)
+    assert batch.arrays["sequence"].dtype == torch.int32
+    assert batch.arrays["sequence"].shape == (BATCH, WINDOW + 1)
+    assert position["distributor"]["consumed"] == BATCH
+
+
+def test_a_processor_or_another_collator_reads_item_by_item(shards):
+    """Only what gives the same batch takes the batched read: no processor, the default collator."""
+
+    class Doubling(IdentityProcessor):
+        def process(self, item: dict) -> dict:
+            return {k: v * 2 for k, v in item.items()}
+
+    ds = dataset("seq", shards)
+    batch, _, _ = next(
+        run_roles(
+            MapDistributor(ds, seed=SEED),
+            Doubling(),
+            SimpleBatcher(BATCH),
+            DefaultBatchCollator(),
+            0,
+            1,
+        )
+    )
+    first = ds[epoch_order(len(ds), SEED, 0)[0]]
+    assert isinstance(batch, dict) and torch.equal(batch["input_ids"][0], first["input_ids"] * 2)
+    rows = SFTDataset(MmapStore(window_size=40).load(shards))  # rows vary in length
+    assert not rows.fixed_windows and not MapDistributor(rows).windowed
