@@ -1,9 +1,13 @@
-"""DataflowLoader throughput next to a plain torch DataLoader, and resume time at sample 1e6.
+"""What a trainer gets from DataflowLoader next to a plain torch DataLoader, in the same run.
 
-Both read the same raw np.memmap window dataset (int32 tokens, one window per item, the
-target shifted by one) with the same batch size and num_workers, in the same run; each
-number is the median of several runs. Resume time is load_state_dict + the first batch.
-Run: python benchmarks/bench_loader.py [--batches 400] [--repeats 3] [--workers 2]
+Data: 2,048-token windows (int32 tokens, the target shifted by one) in batches of 8. The floors
+read the same windows of the same file (the shard's own sequence.bin) with np.memmap, as int64
+input_ids and target_ids per item, batched by torch's default collate: a plain DataLoader with
+the same num_workers, and a plain in-process loop (num_workers=0). tokenmill: DataflowLoader
+over MapDistributor(SEQDataset(MmapStore)); the packing loader packs the same windows to the
+same tokens per batch (PoolPackingBatcher, PackedCollator). Every figure is the median of
+`repeats` interleaved runs; resume time is load_state_dict plus the first batch.
+Run: python benchmarks/bench_loader.py [--batches 300] [--repeats 3] [--workers 2]
 """
 
 from __future__ import annotations
@@ -19,19 +23,20 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tokenmill.dataflow import DataflowLoader, MapDistributor, PackedCollator, PoolPackingBatcher
-from tokenmill.training.sampler import RDSampler
-from tokenmill.training.state import advance_position, epoch_order
+from tokenmill.shards.writer import ShardWriter
+from tokenmill.training.datasets import SEQDataset
+from tokenmill.training.mmap_store import MmapStore
+from tokenmill.training.state import advance_position, order_at
 
-WINDOW, BATCH, WINDOWS = 512, 16, 200_000
+WINDOW, BATCH, WINDOWS = 2048, 8, 40_000
 
 
 class WindowDataset(Dataset):
-    """Window i of a flat token file: input_ids and target_ids, as int64 tensors."""
+    """The floor: window i of a flat int32 file, as int64 input_ids and target_ids."""
 
     def __init__(self, path: Path, window: int) -> None:
         self.tokens = np.memmap(path, dtype=np.int32, mode="r")
         self.window = window
-        self.fingerprint = f"{path.name}:{len(self.tokens)}"
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.window
@@ -42,17 +47,14 @@ class WindowDataset(Dataset):
         )
         return {"input_ids": chunk[:-1], "target_ids": chunk[1:]}
 
-    def sample_length(self, i: int) -> int:
-        return self.window
 
-
-def write_tokens(path: Path, count: int) -> None:
+def write_tokens(root: Path, count: int) -> Path:
+    """One shard of `count` random tokens through the real ShardWriter; returns its folder."""
     rng = np.random.default_rng(0)
-    tokens = np.memmap(path, dtype=np.int32, mode="w+", shape=(count,))
-    for start in range(0, count, 1 << 22):
-        stop = min(count, start + (1 << 22))
-        tokens[start:stop] = rng.integers(0, 150_000, stop - start, dtype=np.int32)
-    tokens.flush()
+    with ShardWriter(root, {"sequence": "int32"}, "sequence", max_tokens_per_shard=count) as w:
+        for start in range(0, count, 1 << 20):
+            w.add({"sequence": rng.integers(0, 150_000, min(1 << 20, count - start))})
+    return root
 
 
 def rate(loader, batches: int) -> float:
@@ -62,33 +64,51 @@ def rate(loader, batches: int) -> float:
     start = time.perf_counter()
     for _ in range(batches):
         next(it)
-    rate = batches / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
     del it
-    return rate
+    return batches / seconds
 
 
-def loaders(ds: WindowDataset, workers: int) -> dict:
-    """Name -> a function building a fresh loader."""
+def loaders(floor: WindowDataset, ds: SEQDataset, workers: int) -> dict:
+    """Name -> (a function building a fresh loader, the floor it is measured against)."""
+    flow = MapDistributor
     return {
-        "plain DataLoader": lambda: DataLoader(
-            ds, batch_size=BATCH, shuffle=True, num_workers=workers
+        "floor: DataLoader": (
+            lambda: DataLoader(floor, batch_size=BATCH, shuffle=True, num_workers=workers),
+            "floor: DataLoader",
         ),
-        "DataLoader + RDSampler": lambda: DataLoader(
-            ds, batch_size=BATCH, sampler=RDSampler(ds), num_workers=workers
+        "DataflowLoader": (
+            lambda: DataflowLoader(flow(ds), batch_size=BATCH, num_workers=workers),
+            "floor: DataLoader",
         ),
-        "DataflowLoader": lambda: DataflowLoader(
-            MapDistributor(ds), batch_size=BATCH, num_workers=workers
+        "DataflowLoader packing": (
+            lambda: DataflowLoader(
+                flow(ds),
+                batcher=PoolPackingBatcher(BATCH * WINDOW, pool_size=4 * BATCH),
+                collator=PackedCollator(),
+                num_workers=workers,
+            ),
+            "DataflowLoader",
         ),
-        "DataflowLoader packing": lambda: DataflowLoader(
-            MapDistributor(ds),
-            batcher=PoolPackingBatcher(BATCH * WINDOW, pool_size=4 * BATCH),
-            collator=PackedCollator(),
-            num_workers=workers,
+        "floor: in-process loop": (
+            lambda: DataLoader(floor, batch_size=BATCH, shuffle=True, num_workers=0),
+            "floor: in-process loop",
+        ),
+        "DataflowLoader num_threads=1": (
+            lambda: DataflowLoader(flow(ds), batch_size=BATCH, num_threads=1),
+            "floor: in-process loop",
+        ),
+        "DataflowLoader in process": (
+            lambda: DataflowLoader(flow(ds), batch_size=BATCH),
+            "floor: in-process loop",
         ),
     }
 
 
-def resume_seconds(ds: WindowDataset, workers: int, at: int) -> float:
+def resume_seconds(ds: SEQDataset, workers: int, at: int) -> float:
     """load_state_dict at sample `at` plus the first batch; checks that batch's samples."""
     state = DataflowLoader(MapDistributor(ds), batch_size=BATCH).state_dict()
     epoch, consumed = advance_position(0, 0, at, len(ds), 1, False)
@@ -99,32 +119,37 @@ def resume_seconds(ds: WindowDataset, workers: int, at: int) -> float:
     loader.load_state_dict(state)
     batch = next(iter(loader))
     seconds = time.perf_counter() - start
-    expected = epoch_order(len(ds), 42, epoch)[consumed : consumed + BATCH]
+    expected = order_at(np.arange(consumed, consumed + BATCH), len(ds), 42, epoch)
     assert torch.equal(batch["input_ids"], torch.stack([ds[int(i)]["input_ids"] for i in expected]))
     return seconds
 
 
-def main(batches: int = 400, repeats: int = 3, workers: int = 2) -> dict[str, float]:
+def main(batches: int = 300, repeats: int = 3, workers: int = 2) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "tokens.bin"
-        write_tokens(path, WINDOWS * WINDOW + 1)
-        ds = WindowDataset(path, WINDOW)
+        shard = write_tokens(Path(tmp) / "seq", WINDOWS * WINDOW + 1)
+        floor = WindowDataset(shard / "shard_00000" / "sequence.bin", WINDOW)
+        ds = SEQDataset(MmapStore(window_size=WINDOW).load(shard), max_len=WINDOW)
+        assert len(ds) == len(floor) and torch.equal(ds[5]["target_ids"], floor[5]["target_ids"])
         print(
-            f"{len(ds)} windows of {WINDOW} tokens, batch {BATCH}, num_workers={workers}, median of {repeats}"
+            f"{len(ds):,} windows of {WINDOW} tokens, batch {BATCH}, num_workers={workers}, "
+            f"median of {repeats}"
         )
-        makers = loaders(ds, workers)
+        makers = loaders(floor, ds, workers)
         runs: dict[str, list[float]] = {name: [] for name in makers}
         for _ in range(repeats):  # interleaved, so a busy moment hits every loader alike
-            for name, make in makers.items():
+            for name, (make, _) in makers.items():
                 runs[name].append(rate(make(), batches))
         results = {name: statistics.median(values) for name, values in runs.items()}
-        floor = results["plain DataLoader"]
-        print(f"{'loader':<24} {'batches/s':>10} {'tokens/s':>12} {'vs plain':>9}")
+        print(f"{'loader':<30} {'batches/s':>10} {'tokens/s':>13} {'ratio':>7}  against")
+        figures = {}
         for name, value in results.items():
+            base = makers[name][1]
+            ratio = value / results[base]
             print(
-                f"{name:<24} {value:>10.1f} {value * BATCH * WINDOW:>12.0f} {value / floor:>8.2f}x"
+                f"{name:<30} {value:>10.1f} {value * BATCH * WINDOW:>13,.0f} {ratio:>6.2f}x  {base}"
             )
-        figures = {f"{name} vs plain": value / floor for name, value in results.items()}
+            if base != name:
+                figures[f"{name} ratio"] = ratio
         for w in (0, workers):
             seconds = statistics.median(
                 resume_seconds(ds, w, 10**6 + 12_345) for _ in range(repeats)
@@ -136,7 +161,7 @@ def main(batches: int = 400, repeats: int = 3, workers: int = 2) -> dict[str, fl
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=400)
+    parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()

@@ -8,8 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from resume import same
 
-from tokenmill.dataflow import DataflowLoader, DefaultBatchCollator, MapDistributor, SimpleBatcher
+from tokenmill.dataflow import (
+    DataflowLoader,
+    DefaultBatchCollator,
+    MapDistributor,
+    PackedCollator,
+    PoolPackingBatcher,
+    SimpleBatcher,
+)
 from tokenmill.dataflow.loader import run_roles
 from tokenmill.dataflow.processors import IdentityProcessor
 from tokenmill.shards.writer import ShardWriter
@@ -105,3 +113,28 @@ def test_a_processor_or_another_collator_reads_item_by_item(shards):
     assert isinstance(batch, dict) and torch.equal(batch["input_ids"][0], first["input_ids"] * 2)
     rows = SFTDataset(MmapStore(window_size=40).load(shards))  # rows vary in length
     assert not rows.fixed_windows and not MapDistributor(rows).windowed
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("mode", [{}, {"num_workers": 2}, {"num_threads": 2}], ids=str)
+def test_packed_windows_cross_as_stored_and_collate_as_the_items_would(shards, mode):
+    """Packing plans from stored lengths, the group crosses as one WindowBatch, and the training
+    side's PackedCollator gives the batches that collating the read items in the worker gives."""
+    ds = dataset("sft", shards)
+
+    def make(measure: bool, **kw) -> DataflowLoader:
+        batcher = PoolPackingBatcher(3 * WINDOW, pool_size=5)
+        if measure:  # a size_fn of its own: items are read and collated in the worker
+            batcher.size_fn = lambda item: len(item["input_ids"])
+        distributor = MapDistributor(ds, seed=SEED, num_epochs=1)
+        return DataflowLoader(distributor, batcher=batcher, collator=PackedCollator(), **kw)
+
+    batch, _, _ = next(run_roles(*roles_of(make(False)), 0, 1))
+    assert isinstance(batch, WindowBatch)
+    reference = list(make(True))
+    assert same(list(make(False, **mode)), reference)
+    assert sum(b["num_tokens"] for b in reference) == len(ds) * WINDOW  # every window once
+
+
+def roles_of(loader: DataflowLoader) -> tuple:
+    return loader.distributor, loader.processor, loader.batcher, loader.collator

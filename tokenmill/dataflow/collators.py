@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -232,17 +233,19 @@ class PackedCollator(BatchCollator):
         total = num_tokens if self.pad_to is None else self.pad_to
         if total > num_tokens:
             starts.append(num_tokens)
-        cu_seqlens = torch.tensor([*starts, total], dtype=torch.int32)
-        seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
-        doc_of_token = torch.repeat_interleave(torch.arange(len(seqlens)), seqlens.long())
-        position_ids = torch.arange(total) - cu_seqlens[:-1].long()[doc_of_token]
+        bounds = np.asarray([*starts, total], dtype=np.int64)
+        cu_seqlens = torch.from_numpy(bounds.astype(np.int32))
+        # numpy, not torch: torch's intra-op threads make these small ops slow on a busy core
+        position_ids = torch.from_numpy(
+            np.arange(total, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
+        )
         pad = total - num_tokens
         batch = {
             "input_ids": self._cat(samples, "input_ids", self.pad_id, pad),
             "target_ids": self._cat(samples, "target_ids", self.label_pad_id, pad),
             "position_ids": position_ids.unsqueeze(0),
             "cu_seqlens": cu_seqlens,
-            "max_seqlen": int(seqlens.max()) if len(seqlens) else 0,
+            "max_seqlen": int(np.diff(bounds).max()) if len(bounds) > 1 else 0,
             "num_tokens": num_tokens,
         }
         if "loss_mask" in samples[0]:

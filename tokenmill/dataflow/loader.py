@@ -55,7 +55,8 @@ def run_roles(
     indices = distributor.indices(dp_rank, dp_world_size)
     if block:
         indices = worker_share(indices, worker_id, num_workers, block)
-    if block and reads_windows(distributor, processor, collator):
+    windows = reads_windows(distributor, processor)
+    if block and windows:
         # groups of windows: one read per group, handed over as int32 (WindowBatch)
         while group := list(islice(indices, block)):
             position = {"distributor": distributor.state_dict(), "batcher": batcher.state_dict()}
@@ -93,9 +94,13 @@ def run_roles(
             positions = {k: v for k, v in positions.items() if k >= restart}
         position = {"distributor": positions[restart], "batcher": batcher_state}
         if block or index % num_workers == worker_id:
+            counters = dict(getattr(batcher, "counters", {}))
+            if planned and windows:
+                yield distributor.fetch_windows(group), position, counters  # type: ignore[attr-defined]
+                continue
             if planned:
                 group = [distributor.fetch(i) for i in group]
-            yield collator.collate(group), position, dict(getattr(batcher, "counters", {}))
+            yield collator.collate(group), position, counters
 
 
 def plans_from_lengths(
@@ -110,16 +115,17 @@ def plans_from_lengths(
     )
 
 
-def reads_windows(
-    distributor: DataDistributor, processor: RawItemProcessor, collator: BatchCollator
-) -> bool:
-    """A group can be read at once and give what the roles would: the items are windows of one
-    length, nothing processes them, and the default collator stacks them."""
-    return (
-        getattr(distributor, "windowed", False)
-        and type(processor) is IdentityProcessor
-        and type(collator) is DefaultBatchCollator
-    )
+def reads_windows(distributor: DataDistributor, processor: RawItemProcessor) -> bool:
+    """A group can be read at once and crosses as stored (WindowBatch), to be collated on the
+    training side: the items are windows of one length and nothing processes them."""
+    return getattr(distributor, "windowed", False) and type(processor) is IdentityProcessor
+
+
+def collate_windows(batch: WindowBatch, collator: BatchCollator) -> dict:
+    """The batch `collator` makes of a WindowBatch's items; the default one, without items."""
+    if type(collator) is DefaultBatchCollator:
+        return batch.tensors()
+    return collator.collate(batch.items())
 
 
 class _Roles(IterableDataset):
@@ -285,7 +291,7 @@ class DataflowLoader:
                         "DataLoader worker exited unexpectedly while handing over a batch"
                     ) from err
                 if isinstance(batch, WindowBatch):
-                    batch = batch.tensors()
+                    batch = collate_windows(batch, self.collator)
                     if self.pin_memory and torch.cuda.is_available():
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                 self._position, self.counters = position, counters

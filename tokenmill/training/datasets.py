@@ -85,23 +85,37 @@ class WindowBatch:
     arrays: dict[str, torch.Tensor]
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        def widen(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return values.to(dtype).contiguous()
+        """The items stacked: [B, W] each."""
+        return self._shifted(self.arrays)
 
-        tokens = self.arrays["sequence"]
+    def items(self) -> list[dict[str, torch.Tensor]]:
+        """The items, as the dataset's `__getitem__` gives them, for any other collator."""
+        wide = self._shifted(self.arrays)
+        return [{k: v[j] for k, v in wide.items()} for j in range(len(self.arrays["sequence"]))]
+
+    @staticmethod
+    def _shifted(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inputs, targets and masks cut along the last axis and widened: one contiguous copy
+        each, so `.view(-1)` works as on stacked items."""
+
+        def cut(key: str, part: slice, dtype: torch.dtype) -> torch.Tensor:
+            return arrays[key][..., part].to(dtype).contiguous()
+
         out = {
-            "input_ids": widen(tokens[:, :-1], torch.int64),
-            "target_ids": widen(tokens[:, 1:], torch.int64),
+            "input_ids": cut("sequence", slice(None, -1), torch.int64),
+            "target_ids": cut("sequence", slice(1, None), torch.int64),
         }
-        if "loss_mask" in self.arrays:
-            out["loss_mask"] = widen(self.arrays["loss_mask"][:, 1:], torch.bool)
-        if "position_ids" in self.arrays:
-            out["position_ids"] = widen(self.arrays["position_ids"][:, :-1], torch.int64)
+        if "loss_mask" in arrays:
+            out["loss_mask"] = cut("loss_mask", slice(1, None), torch.bool)
+        if "position_ids" in arrays:
+            out["position_ids"] = cut("position_ids", slice(None, -1), torch.int64)
         return out
 
 
 class _StreamDataset(BaseDataset):
     """Window i is tokens [begin, end); one more token is read for the shifted target."""
+
+    _windows: tuple[int, int, int] | None = None
 
     @property
     def fixed_windows(self) -> bool:
@@ -124,15 +138,29 @@ class _StreamDataset(BaseDataset):
         return int(self.store.num_samples)
 
     def sample_length(self, index: int) -> int:
-        begin, end = self.store.sample_window(self._check_index(index))
-        return int(end - begin)
+        self._check_index(index)
+        return int(self.store.window_size)  # every window has the store's window size
 
     def _window(self, index: int, keys: list[str]) -> dict[str, np.ndarray]:
-        """Window `index` plus one token, as numpy arrays (maybe read-only views: copy them)."""
-        begin, end = self.store.sample_window(self._check_index(index))
+        """Window `index` plus one token, as numpy arrays (maybe read-only views: copy them).
+        Kept to a few lines: it is most of an item's cost beyond the copy itself."""
+        windows, stride, size = self._geometry
+        if not -windows <= index < windows:
+            raise IndexError(
+                f"index {index} out of range for {type(self).__name__} of {windows} items"
+            )
+        begin = (index % windows) * stride
         if hasattr(self.store, "fetch_arrays"):
-            return self.store.fetch_arrays(begin, end + 1, keys)
-        return {k: v.numpy() for k, v in self.store.fetch(begin, end + 1, keys).items()}
+            return self.store.fetch_arrays(begin, begin + size + 1, keys)
+        return {k: v.numpy() for k, v in self.store.fetch(begin, begin + size + 1, keys).items()}
+
+    @property
+    def _geometry(self) -> tuple[int, int, int]:
+        """(windows, stride, window size), fixed once the store is loaded."""
+        if self._windows is None:
+            store = self.store
+            self._windows = (int(store.num_samples), int(store.stride), int(store.window_size))
+        return self._windows
 
     def _cut_params(self) -> str:
         window = getattr(self.store, "window_size", None)

@@ -128,13 +128,13 @@ class Store:
     def _columns(self, s: int) -> dict[str, Column]:
         """View s's columns; a lazily opened view stays open among the `max_open_shards` most
         recently used, so a store of thousands of shards keeps few files mapped."""
-        view = self._loaded()[s]
-        if view.columns is not None:
-            return view.columns
         columns = self._opened.get(s)
         if columns is not None:
             self._opened.move_to_end(s)
             return columns
+        view = self._loaded()[s]
+        if view.columns is not None:
+            return view.columns
         assert view.open is not None, "a view has columns or a way to open them"
         columns = self._opened[s] = view.open()
         while len(self._opened) > self.max_open_shards:
@@ -187,7 +187,7 @@ class Store:
     # --- stream access -------------------------------------------------------------------
     def sample_window(self, i: int) -> tuple[int, int]:
         """[begin, end) of window i; the token at `end` exists, for the shifted target."""
-        if not 0 <= i < self.num_samples:
+        if not 0 <= i < self._num_samples:
             raise IndexError(f"window {i} out of range [0, {self.num_samples})")
         return window_bounds(i, self.window_size or 0, self.stride or 0)
 
@@ -199,17 +199,26 @@ class Store:
         inside = self._one_view(begin, end, keys)
         if inside is not None:  # the common case, kept to one slice and one copy per key
             s, lo, hi = inside
-            return {k: torch.from_numpy(self._values[k][s][lo:hi].copy()) for k in keys}
+            columns = self._columns(s)
+            return {k: torch.from_numpy(columns[k].values[lo:hi].copy()) for k in keys}
         return {k: to_tensor(self._array(begin, end, self._key(k))) for k in keys}
 
     def fetch_arrays(self, begin: int, end: int, keys: list[str]) -> dict[str, np.ndarray]:
         """fetch as numpy arrays, without the copy: inside one view they are read-only
-        views of the maps (datasets shift and widen them in the one copy they make)."""
+        views of the maps (datasets shift and widen them in the one copy they make). The
+        common case (one view, stream keys) is inlined: it is most of an item's overhead."""
+        starts = self._shared_starts  # [] before load: _loaded() below then raises
+        s = bisect_right(starts, begin) - 1
+        if (
+            0 <= begin <= end
+            and s + 1 < len(starts)
+            and end <= starts[s + 1]
+            and self._stream_keys.issuperset(keys)
+        ):
+            columns = self._columns(s)
+            lo, hi = begin - starts[s], end - starts[s]
+            return {k: columns[k].values[lo:hi] for k in keys}
         self._loaded()
-        inside = self._one_view(begin, end, keys)
-        if inside is not None:
-            s, lo, hi = inside
-            return {k: self._values[k][s][lo:hi] for k in keys}
         return {k: self._array(begin, end, self._key(k)) for k in keys}
 
     def fetch_windows(
@@ -225,8 +234,9 @@ class Store:
             inside = self._one_view(begin, begin + length, keys)
             if inside is not None:
                 s, lo, hi = inside
+                columns = self._columns(s)
                 for k in keys:
-                    out[k][j] = self._values[k][s][lo:hi]
+                    out[k][j] = columns[k].values[lo:hi]
             else:
                 for k in keys:
                     out[k][j] = self._array(begin, begin + length, k)
