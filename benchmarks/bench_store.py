@@ -1,8 +1,10 @@
 """Store read speed next to a raw np.memmap floor, and store open time from 1e4 to 1e7 records.
 
 Fetch: random windows of SFT shards written by the real ShardWriter, read by MmapStore.fetch,
-by SFTDataset items, and by the floor (the same windows of the same files sliced from np.memmap
-and copied into tensors), in one process and through a DataLoader with 2 workers. Open:
+by SFTDataset and SEQDataset items, and by the floor (the same windows of the same files sliced
+from np.memmap and copied into tensors; an item floor shifts and widens in numpy), in one
+process and through a DataLoader with 2 workers; random records (4,096-token rows) by
+fetch_record next to their offsets and values read from np.memmap. Open:
 MmapStore.load + one fetch_record on record-oriented shards of 1e4, 1e6 and 1e7 records.
 Run: python benchmarks/bench_store.py [--quick] [--window 2048] [--repeats 5]
 """
@@ -113,6 +115,38 @@ class SFTItemFloor(FloorDataset):
         }
 
 
+class SEQItemFloor(FloorDataset):
+    """The least a SEQ item costs: window + 1 token, widened to int64, shifted by one."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        begin = i * self.window
+        tokens = self.arrays["sequence"][begin : begin + self.window + 1].astype(np.int64)
+        return {
+            "input_ids": torch.from_numpy(tokens[:-1]),
+            "target_ids": torch.from_numpy(tokens[1:]),
+        }
+
+
+class RecordFloor:
+    """The least a record costs: its offsets read from the map, its values copied to a tensor."""
+
+    def __init__(self, shard: Path) -> None:
+        meta = json.loads((shard / "meta.json").read_text())
+        entry = meta["sequence"]
+        self.values = np.memmap(shard / "sequence.bin", dtype=entry["dtype"], mode="r").view(
+            np.ndarray
+        )
+        self.offsets = np.memmap(shard / entry["offsets"]["file"], dtype=np.int64, mode="r").view(
+            np.ndarray
+        )
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.array(self.values[self.offsets[i] : self.offsets[i + 1]]))
+
+
 # --- measuring ----------------------------------------------------------------------------------
 def rate(read: Callable[[int], object], indices: list[int]) -> float:
     """Windows per CPU second of `read` over `indices` in this process, garbage collector off
@@ -175,6 +209,10 @@ def fetch_table(
     store = StoreFactory.create("bin", window_size=window).load(root / "one_shard")
     store8 = StoreFactory.create("bin", window_size=window).load(root / "eight_shards")
     ds = DatasetFactory.load("sft", root / "one_shard", window_size=window, sample="window")
+    seq = DatasetFactory.load("seq", root / "one_shard", window_size=window)
+    floors["seq_floor"] = SEQItemFloor(shard, window)
+    record_floor = RecordFloor(shard)
+    records = np.random.default_rng(2).integers(0, len(record_floor), 2 * windows).tolist()
     if not len(floors["floor"]) == len(store) == len(store8) == len(ds):
         raise RuntimeError(f"window counts differ: {len(floors['floor'])}, {len(store)}, {len(ds)}")
     # single-process reads are ~20x faster than DataLoader batches: twice the windows and
@@ -187,7 +225,12 @@ def fetch_table(
 
     reads = {name: f.__getitem__ for name, f in floors.items()}
     reads |= {"store": fetch(store), "store8": fetch(store8), "sft": ds.__getitem__}
-    single = rounds({n: lambda r=r: rate(r, many) for n, r in reads.items()}, 3 * repeats)
+    reads |= {"seq": seq.__getitem__}
+    runs = {n: lambda r=r: rate(r, many) for n, r in reads.items()}
+    runs["record_floor"] = lambda: rate(record_floor.__getitem__, records)
+    runs["record"] = lambda: rate(lambda i: store.fetch_record(i, "sequence"), records)
+    runs["record8"] = lambda: rate(lambda i: store8.fetch_record(i, "sequence"), records)
+    single = rounds(runs, 3 * repeats)
     datasets = {"floor": floors["floor"], "store": store}
     datasets |= {"floor+1": floors["floor+1"], "sft_floor": floors["sft_floor"], "sft": ds}
     loaders = {n: loader(d, indices, batch_size, workers) for n, d in datasets.items()}
@@ -203,6 +246,11 @@ def fetch_table(
         ("floor: window + 1 token", single, "floor+1", "floor+1"),
         ("floor: SFT item in numpy", single, "sft_floor", "floor+1"),
         ("SFTDataset ds[i]", single, "sft", "floor+1"),
+        ("floor: SEQ item in numpy", single, "seq_floor", "floor+1"),
+        ("SEQDataset ds[i]", single, "seq", "floor+1"),
+        ("floor: record from offsets", single, "record_floor", "record_floor"),
+        ("fetch_record, 1 shard", single, "record", "record_floor"),
+        ("fetch_record, 8 shards", single, "record8", "record_floor"),
         ("floor: memmap window", multi, "floor", "floor"),
         ("MmapStore store[i]", multi, "store", "floor"),
         ("floor: window + 1 token", multi, "floor+1", "floor+1"),
@@ -227,6 +275,9 @@ def fetch_table(
         "fetch_8_shards_ratio": paired_ratio(single, "store8", "floor"),
         "sft_item_ratio": paired_ratio(single, "sft", "floor+1"),
         "sft_item_ratio_vs_item_floor": paired_ratio(single, "sft", "sft_floor"),
+        "seq_item_ratio_vs_item_floor": paired_ratio(single, "seq", "seq_floor"),
+        "record_fetch_ratio": paired_ratio(single, "record", "record_floor"),
+        "record_fetch_8_shards_ratio": paired_ratio(single, "record8", "record_floor"),
         "loader_store_ratio": paired_ratio(multi, "store", "floor"),
         "loader_sft_ratio": paired_ratio(multi, "sft", "floor+1"),
         "loader_sft_ratio_vs_item_floor": paired_ratio(multi, "sft", "sft_floor"),

@@ -21,7 +21,7 @@ import numpy as np
 from tokenmill.shards.buffers import ShardBuffer
 from tokenmill.shards.format import is_list_value, is_tmp
 from tokenmill.shards.manifest import listed, read_manifest
-from tokenmill.training.store import ShardView, Store, Transform, cumulative
+from tokenmill.training.store import ShardView, Store, Transform, as_tensors, cumulative
 
 
 class JsonlStore(Store):
@@ -109,14 +109,19 @@ class JsonlStore(Store):
     def __len__(self) -> int:
         return self.num_records if self.processor is not None else super().__len__()
 
-    def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
+    def fetch_record(self, i: int, keys: str | list[str]) -> Any:
         if self.processor is None:
-            return super()._record(i, keys)
+            return super().fetch_record(i, keys)
         out = self._process(i)
-        missing = [k for k in keys if k not in out]
+        wanted = [keys] if isinstance(keys, str) else keys
+        missing = [k for k in wanted if k not in out]
         if missing:
             raise KeyError(f"keys {missing} are not in the processed record; keys: {list(out)}")
-        return {k: list(out[k]) if is_list_value(out[k]) else np.asarray(out[k]) for k in keys}
+        tensors = {
+            k: as_tensors(list(out[k]) if is_list_value(out[k]) else np.asarray(out[k]))
+            for k in wanted
+        }
+        return tensors[keys] if isinstance(keys, str) else tensors
 
     def _process(self, i: int) -> dict:
         f = bisect_right(self._file_starts, i) - 1

@@ -125,7 +125,7 @@ class MmapStore(Store):
         """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
         state = dict(self.__dict__)
         if state.get("_views") is not None:
-            state.update(_views=None, _starts=None, _record_starts=None, _values={})
+            state.update(_views=None, _starts=None, _record_starts=[], _values={})
             state["_opened"] = OrderedDict()
         return state
 

@@ -82,6 +82,7 @@ class Store:
         self.stride = stride or window_size
         self._views: list[ShardView] | None = None
         self._starts: dict[str, list[int]] = {}
+        self._record_starts: list[int] = []
         self._values: dict[str, _KeyValues] = {}  # key -> each view's values
         self._opened: OrderedDict[int, dict[str, Column]] = OrderedDict()  # lazily opened views
         self.max_open_shards = MAX_OPEN_SHARDS
@@ -286,20 +287,31 @@ class Store:
     # --- record access -------------------------------------------------------------------
     def fetch_record(self, i: int, keys: str | list[str]) -> Any:
         """Record i: a tensor per plain key, a list of tensors per list key."""
-        if not 0 <= i < self.num_records:
-            raise IndexError(f"record {i} out of range [0, {self.num_records})")
-        arrays = self._record(i, [keys] if isinstance(keys, str) else list(keys))
-        out = {
-            k: [to_tensor(v) for v in a] if isinstance(a, list) else to_tensor(a)
-            for k, a in arrays.items()
-        }
-        return out[keys] if isinstance(keys, str) else out
+        if isinstance(keys, str):  # one key: no dict on the way (records are small and many)
+            return as_tensors(self._value(i, keys))
+        return {key: as_tensors(self._value(i, key)) for key in keys}
 
-    def _record(self, i: int, keys: list[str]) -> dict[str, Any]:
-        """Record i's arrays by offsets: the view by bisection, then its offsets."""
-        s = bisect_right(self._record_starts, i) - 1
-        name, columns, local = self._loaded()[s].name, self._columns(s), i - self._record_starts[s]
-        return {key: _record_value(name, columns[self._key(key)], key, local) for key in keys}
+    def _value(self, i: int, key: str) -> Any:
+        """Record i's array of `key` (a list of arrays for a list key): the view by bisection,
+        then its offsets."""
+        starts = self._record_starts
+        if not 0 <= i < (starts[-1] if starts else 0):
+            raise IndexError(f"record {i} out of range [0, {self.num_records})")
+        s = bisect_right(starts, i) - 1
+        col = self._columns(s).get(key)
+        if col is None:
+            self._key(key)  # names the key that is not in the store
+        if col is None or col.offsets is None:
+            raise ValueError(
+                f"{self._loaded()[s].name}: key {key!r} has no record offsets, so it reads "
+                "only as a stream (fetch)"
+            )
+        local = i - starts[s]
+        a, b = col.offsets[local : local + 2].tolist()
+        if col.items is None:
+            return col.values[a:b]
+        items = col.items[a : b + 1].tolist()
+        return [col.values[items[j] : items[j + 1]] for j in range(b - a)]
 
     def record_lengths(self, key: str) -> np.ndarray:
         """Elements of `key` in each record (all items of a list key), from offsets alone."""
@@ -320,13 +332,6 @@ def cumulative(lengths: list[int]) -> list[int]:
     return [0, *accumulate(int(n) for n in lengths)]
 
 
-def _record_value(name: str, col: Column, key: str, local: int) -> Any:
-    if col.offsets is None:
-        raise ValueError(
-            f"{name}: key {key!r} has no record offsets, so it reads only as a stream (fetch)"
-        )
-    a, b = int(col.offsets[local]), int(col.offsets[local + 1])
-    if col.items is None:
-        return col.values[a:b]
-    items = col.items[a : b + 1].tolist()
-    return [col.values[items[j] : items[j + 1]] for j in range(b - a)]
+def as_tensors(value: Any) -> Any:
+    """A record's array as a tensor, a list key's arrays as a list of tensors (writable copies)."""
+    return [to_tensor(v) for v in value] if isinstance(value, list) else to_tensor(value)
