@@ -26,7 +26,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SCRIPTS = ("bench_preprocess", "bench_store", "bench_packing", "bench_loader", "bench_ray")
+SCRIPTS = (
+    "bench_preprocess",
+    "bench_store",
+    "bench_packing",
+    "bench_loader",
+    "bench_memory",
+    "bench_ray",
+)
 # Keyword arguments of each main() for --quick; a script whose main() takes `quick` gets quick=True.
 QUICK = {
     "bench_preprocess": {"copies": 1, "repeats": 1},

@@ -288,30 +288,30 @@ class Store:
     def fetch_record(self, i: int, keys: str | list[str]) -> Any:
         """Record i: a tensor per plain key, a list of tensors per list key."""
         if isinstance(keys, str):  # one key: no dict on the way (records are small and many)
-            return as_tensors(self._value(i, keys))
+            value = self._value(i, keys)
+            return as_tensors(value) if isinstance(value, list) else to_tensor(value)
         return {key: as_tensors(self._value(i, key)) for key in keys}
 
     def _value(self, i: int, key: str) -> Any:
         """Record i's array of `key` (a list of arrays for a list key): the view by bisection,
-        then its offsets."""
+        then its offsets. Kept short: it is most of a small record's cost beyond the copy."""
         starts = self._record_starts
-        if not 0 <= i < (starts[-1] if starts else 0):
-            raise IndexError(f"record {i} out of range [0, {self.num_records})")
         s = bisect_right(starts, i) - 1
+        if i < 0 or s + 1 >= len(starts):
+            raise IndexError(f"record {i} out of range [0, {self.num_records})")
         col = self._columns(s).get(key)
-        if col is None:
-            self._key(key)  # names the key that is not in the store
         if col is None or col.offsets is None:
+            self._key(key)  # names a key that is not in the store
             raise ValueError(
                 f"{self._loaded()[s].name}: key {key!r} has no record offsets, so it reads "
                 "only as a stream (fetch)"
             )
         local = i - starts[s]
-        a, b = col.offsets[local : local + 2].tolist()
+        begin, end = col.offsets[local], col.offsets[local + 1]
         if col.items is None:
-            return col.values[a:b]
-        items = col.items[a : b + 1].tolist()
-        return [col.values[items[j] : items[j + 1]] for j in range(b - a)]
+            return col.values[begin:end]
+        items = col.items[begin : end + 1].tolist()
+        return [col.values[items[j] : items[j + 1]] for j in range(end - begin)]
 
     def record_lengths(self, key: str) -> np.ndarray:
         """Elements of `key` in each record (all items of a list key), from offsets alone."""
@@ -334,4 +334,6 @@ def cumulative(lengths: list[int]) -> list[int]:
 
 def as_tensors(value: Any) -> Any:
     """A record's array as a tensor, a list key's arrays as a list of tensors (writable copies)."""
-    return [to_tensor(v) for v in value] if isinstance(value, list) else to_tensor(value)
+    if isinstance(value, list):
+        return [torch.from_numpy(np.array(v)) for v in value]
+    return torch.from_numpy(np.array(value))
