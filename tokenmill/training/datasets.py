@@ -178,7 +178,11 @@ class SEQDataset(_StreamDataset):
     keys = ("sequence",)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        tokens = self._window(index, ["sequence"])["sequence"].astype(np.int64)
+        windows, stride, size = self._geometry
+        if not -windows <= index < windows:
+            raise IndexError(f"index {index} out of range for SEQDataset of {windows} items")
+        begin = (index % windows) * stride
+        tokens = self.store.read("sequence", begin, begin + size + 1).astype(np.int64)
         # numpy slices, then from_numpy: a torch slice costs more than the window's copy
         return {
             "input_ids": torch.from_numpy(tokens[:-1]),

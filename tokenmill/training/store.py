@@ -269,14 +269,23 @@ class Store:
             out[at] = self._values[key][s][indices[at] - starts[s]]
         return out
 
+    def read(self, key: str, begin: int, end: int) -> np.ndarray:
+        """Elements [begin, end) of one key's stream: a read-only view of the map inside one
+        view, else a copy joined across views. The shortest way to a window (SEQ items)."""
+        starts = self._starts.get(key)
+        if starts is None:
+            self._loaded()
+            self._key(key)
+        return self._array(begin, end, key)
+
     def _array(self, begin: int, end: int, key: str) -> np.ndarray:
         starts = self._starts[key]
         if not 0 <= begin <= end <= starts[-1]:
             raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
-        values = self._values[key]
         s = min(bisect_right(starts, begin) - 1, len(starts) - 2)
         if end <= starts[s + 1]:  # inside one view: one slice
-            return values[s][begin - starts[s] : end - starts[s]]
+            return self._columns(s)[key].values[begin - starts[s] : end - starts[s]]
+        values = self._values[key]
         pieces, pos = [], begin
         while pos < end:
             stop = min(end, starts[s + 1])
