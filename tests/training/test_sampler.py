@@ -132,6 +132,8 @@ def test_state_is_plain_data_and_start_iter_counts_all_ranks():
         "fingerprint": "len=10",
         "epoch": 0,
         "consumed": 6,
+        "handed_out": 0,  # the position the last iterator reached: none has run
+        "advanced": True,
     }
     started = RDSampler(Sized(10), start_epoch=1, start_iter=4, rank=0, world_size=2)
     assert list(started) == [ORDER_42_1[4], ORDER_42_1[6], ORDER_42_1[8]]

@@ -1,4 +1,11 @@
-"""RDSampler: the sample order for a plain torch DataLoader, resumable exactly once."""
+"""RDSampler: the sample order for a plain torch DataLoader, resumable exactly once.
+
+Two ways to resume exactly, and no third: in a plain DataLoader the training loop calls
+`advance(n)` after each step (workers prefetch indices, so what the sampler handed out is not
+what was trained); in torchdata's StatefulDataLoader the loader checkpoints the sampler's
+iterator itself (`OrderIterator` is Stateful), matched to the batches it returned. A state
+saved by a loop that did neither would repeat samples on resume, and is refused there.
+"""
 
 from __future__ import annotations
 
@@ -24,8 +31,10 @@ class RDSampler(Sampler[int]):
 
     Rank r reads global positions r, r + world_size, ... of the epoch's order. Resume is
     exact and O(1): call `advance(n)` with each step's local batch size, so the state counts
-    what the training loop consumed (not what DataLoader workers prefetched). `start_iter`
-    is the number of samples of `start_epoch` already consumed, counted over all ranks."""
+    what the training loop consumed (not what DataLoader workers prefetched); or use it in
+    torchdata's StatefulDataLoader, which checkpoints its iterator. `start_iter` is the number
+    of samples of `start_epoch` already consumed, counted over all ranks. Call
+    `set_epoch(e)` at the start of each epoch, as with torch's DistributedSampler."""
 
     def __init__(
         self,
@@ -50,6 +59,9 @@ class RDSampler(Sampler[int]):
             raise ValueError(f"start_epoch must be >= 0, got {start_epoch}")
         self.epoch, self.consumed = start_epoch, 0
         self._set_consumed(start_iter)
+        self.handed_out = self.consumed  # global position the last iterator reached
+        self.advanced = False  # advance() called since the epoch began
+        self._unpositioned: int | None = None  # samples a plain resume would repeat
 
     def _set_consumed(self, consumed: int) -> None:
         end = epoch_end(self.num_items, consumed, self.world_size, self.drop_last)
@@ -57,13 +69,10 @@ class RDSampler(Sampler[int]):
         if end == consumed:  # nothing of this epoch is left for any rank
             self.epoch, self.consumed = self.epoch + 1, 0
 
-    def __iter__(self) -> Iterator[int]:
-        """This rank's remaining indices of the current epoch; iterating changes no state."""
-        end = epoch_end(self.num_items, self.consumed, self.world_size, self.drop_last)
-        return order_blocks(
-            self.consumed + self.rank, end, self.world_size, self.num_items, self.seed,
-            self.epoch, self.shuffle,
-        )  # fmt: skip
+    def __iter__(self) -> OrderIterator:
+        """This rank's remaining indices of the current epoch; iterating changes only
+        `handed_out`, never the position a state resumes from."""
+        return OrderIterator(self)
 
     def __len__(self) -> int:
         end = epoch_end(self.num_items, self.consumed, self.world_size, self.drop_last)
@@ -72,21 +81,83 @@ class RDSampler(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning; the current epoch keeps its consumed count."""
         if epoch != self.epoch:
-            self.epoch, self.consumed = epoch, 0
+            self.epoch, self.consumed, self.handed_out, self.advanced = epoch, 0, 0, False
 
     def advance(self, num_samples: int) -> None:
         """Record that every rank's training loop consumed `num_samples` more samples."""
+        epoch = self.epoch
         self.epoch, self.consumed = advance_position(
             self.epoch, self.consumed, num_samples, self.num_items, self.world_size, self.drop_last
         )
+        self.advanced = True
+        if self.epoch != epoch:  # the iterator that handed out the old epoch is done
+            self.handed_out = self.consumed
 
     def _setup(self) -> dict[str, Any]:
         return order_setup(self)
 
     def state_dict(self) -> dict[str, Any]:
-        return order_state(self)
+        return {**order_state(self), "handed_out": self.handed_out, "advanced": self.advanced}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("RDSampler", state, self._setup())
         self.epoch = int(state["epoch"])
         self._set_consumed(int(state["consumed"]))
+        ahead = int(state.get("handed_out", 0)) - int(state["consumed"])
+        # handed out, never advanced: unless a StatefulDataLoader positions the iterator
+        # next (it loads the iterator's own state), a resume would repeat those samples
+        self._unpositioned = ahead if ahead > 0 and not state.get("advanced", True) else None
+        self.handed_out, self.advanced = self.consumed, bool(state.get("advanced", False))
+
+    def _refuse_unpositioned(self) -> None:
+        if self._unpositioned:
+            raise RuntimeError(
+                f"RDSampler: this state was saved by a training loop that never called "
+                f"advance(): resuming from it would repeat {self._unpositioned} samples. Call "
+                "sampler.advance(local_batch_size) after each step in a plain DataLoader, or "
+                "use torchdata's StatefulDataLoader, which checkpoints the sampler's iterator"
+            )
+
+
+class OrderIterator(Iterator[int]):
+    """An RDSampler's indices from its position on; Stateful (state_dict/load_state_dict), so
+    torchdata's StatefulDataLoader checkpoints exactly the indices behind the batches it
+    returned, whatever its workers prefetched."""
+
+    def __init__(self, sampler: RDSampler) -> None:
+        self.sampler = sampler
+        self._start(sampler.epoch, sampler.consumed)
+
+    def _start(self, epoch: int, consumed: int) -> None:
+        s = self.sampler
+        self.epoch, self.start, self.yielded = epoch, consumed, 0
+        end = epoch_end(s.num_items, consumed, s.world_size, s.drop_last)
+        self._indices = order_blocks(
+            consumed + s.rank, end, s.world_size, s.num_items, s.seed, epoch, s.shuffle
+        )
+
+    def __next__(self) -> int:
+        if self.yielded == 0:
+            self.sampler._refuse_unpositioned()
+        index = next(self._indices)
+        self.yielded += 1
+        if self.sampler.epoch == self.epoch:
+            self.sampler.handed_out = max(self.sampler.handed_out, self.position)
+        return index
+
+    @property
+    def position(self) -> int:
+        """The global count of the epoch's positions behind the indices handed out."""
+        return self.start + self.yielded * self.sampler.world_size
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s = self.sampler
+        epoch, position = int(state["epoch"]), int(state["position"])
+        end = epoch_end(s.num_items, 0, s.world_size, s.drop_last)
+        if not 0 <= position <= end:
+            raise ValueError(f"RDSampler iterator: position {position} outside [0, {end}]")
+        s.epoch, s.consumed, s.handed_out, s._unpositioned = epoch, position, position, None
+        self._start(epoch, position)
