@@ -16,7 +16,9 @@ from __future__ import annotations
 import itertools
 import pickle
 import queue
+import sys
 import threading
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -200,6 +202,12 @@ def _put(into: queue.Queue, output: Any, stop: threading.Event) -> bool:
     return False
 
 
+def _called_by_lightning() -> bool:
+    """state_dict() was called by Lightning's loops (they checkpoint stateful loaders)."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller.startswith(("lightning.", "pytorch_lightning."))
+
+
 def _as_is(batch: Any) -> Any:
     return batch
 
@@ -214,7 +222,10 @@ class DataflowLoader:
     Fixed-size groups resume under another world size; packing batchers resume on the same
     rank of the same world size. `timeout` (seconds, num_workers > 0) bounds a stuck worker.
     `num_threads=N` (instead of workers) reads ahead in N threads of this process: for
-    memory-mapped data, where a read costs less than handing a batch across processes."""
+    memory-mapped data, where a read costs less than handing a batch across processes.
+    `lookahead=N`: the consumer takes N batches ahead of the one it trains (Lightning's
+    fetcher takes 1), so `state_dict()` leaves the last N handed out for the resume.
+    `rank_keyed=True`: torchtitan's per-rank state layout (see `state_dict`)."""
 
     def __init__(
         self,
@@ -231,6 +242,8 @@ class DataflowLoader:
         pin_memory: bool = False,
         multiprocessing_context: Any = None,
         num_threads: int = 0,
+        lookahead: int = 0,
+        rank_keyed: bool = False,
     ) -> None:
         if batch_size is not None:
             if batcher is not None or collator is not None:
@@ -254,14 +267,21 @@ class DataflowLoader:
         self.num_workers, self.prefetch_factor, self.timeout = num_workers, prefetch_factor, timeout
         self.pin_memory, self.multiprocessing_context = pin_memory, multiprocessing_context
         self.num_threads = num_threads
+        if lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
+        self.lookahead, self.rank_keyed = lookahead, rank_keyed
         self.consumed_batches = 0
         self.counters: dict[str, int] = {}
         self._position: dict[str, Any] | None = None  # None: wherever the roles stand now
+        # (position, consumed_batches) before the last `lookahead` batches handed out
+        self._trail: deque[tuple[dict[str, Any], int]] = deque(maxlen=lookahead + 1)
 
     def __iter__(self) -> Iterator[dict]:
         position = self._current_position()
         self.distributor.load_state_dict(position["distributor"])
         self.batcher.load_state_dict(position["batcher"])
+        self._trail.clear()
+        self._trail.append((position, self.consumed_batches))
         if self.num_threads:
             outputs: Any = threaded_roles(self)
         elif self.num_workers == 0:
@@ -283,7 +303,8 @@ class DataflowLoader:
             while True:
                 try:
                     batch, position, counters = next(outputs)
-                except StopIteration:
+                except StopIteration:  # nothing handed out is left untrained
+                    self._trail.clear()
                     return
                 except (EOFError, ConnectionError) as err:
                     # a worker that dies while the parent collects its batch's shared memory
@@ -296,6 +317,7 @@ class DataflowLoader:
                         batch = {k: v.pin_memory() for k, v in batch.items()}
                 self._position, self.counters = position, counters
                 self.consumed_batches += 1
+                self._trail.append((position, self.consumed_batches))
                 yield batch
         finally:
             # Stop workers now: a traceback holding the iterator would keep a dead worker
@@ -321,15 +343,43 @@ class DataflowLoader:
         return {"dp_world_size": self.dp_world_size, "dp_rank": self.dp_rank}
 
     def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch trained: the last handed out, or with `lookahead`
+        the one `lookahead` batches before it, until the sequence ends. `rank_keyed`: as
+        {"dp_rank_R": state, "world_size": W}, torchtitan's layout, so that a checkpointer that
+        merges equal keys across ranks (torch.distributed.checkpoint) keeps every rank's own."""
+        if not self.lookahead and _called_by_lightning():
+            raise RuntimeError(
+                "DataflowLoader under Lightning: its fetcher takes one batch ahead of the one "
+                "it trains, so this state would skip a batch on resume; create the loader "
+                "with lookahead=1"
+            )
+        state = self._state()
+        if self.rank_keyed:
+            return {f"dp_rank_{self.dp_rank}": state, "world_size": self.dp_world_size}
+        return state
+
+    def _state(self) -> dict[str, Any]:
+        if self.lookahead and self._trail:
+            position, consumed = self._trail[0]
+        else:
+            position, consumed = self._current_position(), self.consumed_batches
         return {
             "version": STATE_VERSION,
             "dp_world_size": self.dp_world_size,
             "dp_rank": None if self.batcher.group_size else self.dp_rank,  # None: any rank's state
-            "consumed_batches": self.consumed_batches,
-            "position": self._current_position(),
+            "consumed_batches": consumed,
+            "position": position,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "world_size" in state and "version" not in state:  # rank-keyed (torchtitan's layout)
+            key = f"dp_rank_{self.dp_rank}"
+            if key not in state:
+                raise ValueError(
+                    f"DataflowLoader: the state holds {sorted(k for k in state if k != 'world_size')}"
+                    f", not {key!r}: it was saved by other data-parallel ranks"
+                )
+            state = state[key]
         check_state("DataflowLoader", state, self._setup())
         if not state["position"]["distributor"] and state["consumed_batches"]:
             raise ValueError(
@@ -340,3 +390,4 @@ class DataflowLoader:
         self.batcher.load_state_dict(state["position"]["batcher"])
         self._position = state["position"]
         self.consumed_batches = int(state["consumed_batches"])
+        self._trail.clear()
