@@ -4,6 +4,7 @@ A fenced ```bash block is a promise: its commands run from the repository root o
 clone once `tokenmill` is installed. This test runs them in that order (in a scratch folder
 that sees the repository's data/ and examples/), checks each exit status, and checks the
 ledger every `tokenmill preprocess` prints: tokens read = tokens written + tokens dropped.
+Then a page's ```python recipe blocks run, as one script, in the same folder.
 Placeholders live in ```text blocks, which are not run.
 """
 
@@ -34,6 +35,11 @@ def commands(page: Path) -> list[str]:
             if line and not line.startswith("#"):
                 found.append(line)
     return found
+
+
+def recipes(page: Path) -> str:
+    """The page's ```python recipe blocks, as one script."""
+    return "\n".join(re.findall(r"```python recipe\n(.*?)```", page.read_text(), re.S))
 
 
 def number(text: str, name: str) -> int:
@@ -67,3 +73,11 @@ def test_every_command_runs_as_written(page, tmp_path):
             read, written = number(out, "tokens read"), number(out, "tokens written")
             assert read == written + number(out, "tokens dropped"), f"{command}\n{out}"
             assert number(out, "records read") > 0
+    script = recipes(page)
+    if script:  # after the commands, which write the data the recipes read
+        (tmp_path / "recipes.py").write_text(script)
+        done = subprocess.run(
+            [sys.executable, "recipes.py"], cwd=tmp_path, env=env, capture_output=True,
+            text=True, timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{page.name} recipes:\n{done.stdout}\n{done.stderr[-6000:]}"

@@ -16,6 +16,7 @@ from resume import ToyDataset, roles
 from tokenmill.dataflow import DataflowLoader, MapDistributor
 
 STEPS, EVERY = 9, 4
+pytestmark = pytest.mark.slow  # real Lightning fits
 
 
 class Recorder(L.LightningModule):
