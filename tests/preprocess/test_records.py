@@ -244,7 +244,7 @@ def _compress(suffix: str, raw: bytes) -> bytes:
     return raw
 
 
-@pytest.mark.parametrize("suffix", [s for s in INPUT_SUFFIXES if s != ".parquet"])
+@pytest.mark.parametrize("suffix", [s for s in INPUT_SUFFIXES if s not in (".parquet", ".arrow")])
 def test_round_trip_every_json_form(tmp_path, suffix):
     objs = [{"id": i, "text": f"line {i} é😀"} for i in range(2500)]
     raw = _lines(*objs) if ".jsonl" in suffix else json.dumps(objs).encode()
@@ -338,7 +338,7 @@ def test_list_inputs_errors(tmp_path):
         list_inputs([bad])
     assert str(info.value) == (
         f"{bad}: unsupported input file (supported suffixes: .jsonl, .json, .jsonl.gz, .json.gz, "
-        ".jsonl.zst, .json.zst, .parquet)"
+        ".jsonl.zst, .json.zst, .parquet, .arrow)"
     )
     _write(tmp_path, "mixed/readme.md", b"")
     with pytest.raises(ValueError, match=r"readme.md: unsupported input file"):

@@ -1,58 +1,131 @@
-"""Input files: which files a run reads and how their bytes are opened.
+"""Inputs: which files (or in-memory datasets) a run reads and how their bytes are opened.
 
-Local paths and URLs (fsspec), folders expanded in a fixed order, `.gz`/`.zst` decompressed
-as streams, Parquet opened by pyarrow; every file's identity (size, stamp) for resume.
+Local paths and URLs (fsspec), folders expanded in a fixed order (a folder written by
+Hugging Face `datasets` read as its data files), `.gz`/`.zst` decompressed as streams,
+Parquet and Arrow opened by pyarrow, a `datasets.Dataset`/`IterableDataset` taken as it is;
+every input's identity (size, stamp) for resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import json
+import re
+import uuid
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-INPUT_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet")
+INPUT_SUFFIXES = (
+    ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".arrow",
+)  # fmt: skip
 
 
 _CHUNK = 1 << 20
 
 
-InputPath = Path | str  # a local path, or the URL of a file on an fsspec filesystem (s3://...)
+class DatasetInput:
+    """A Hugging Face `datasets.Dataset` or `IterableDataset` given as input: its rows are the
+    records, named `<name>:<row>` (1-based, as Parquet rows are) in errors.
+
+    `datasets` is never imported here (it imports torch): the object is recognised by its type.
+    """
+
+    def __init__(self, dataset: Any, position: int):
+        self.dataset = dataset
+        info = getattr(dataset, "info", None)
+        label = "/".join(
+            str(part)
+            for part in (getattr(info, "dataset_name", None), getattr(dataset, "split", None))
+            if part
+        )
+        # the position keeps two unnamed datasets (or two selections of one) apart
+        self.name = f"{type(dataset).__name__}#{position}" + (f"({label})" if label else "")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"DatasetInput({self.name})"
+
+
+InputPath = Path | str | DatasetInput  # a local path, a URL (s3://...), or an in-memory dataset
 
 
 def is_url(path: InputPath) -> bool:
     return isinstance(path, str) and "://" in path
 
 
-def list_inputs(paths: Sequence[str | Path]) -> list[InputPath]:
-    """Input files in order: files as given, folders expanded recursively and sorted.
+def hf_dataset_kind(value: Any) -> str | None:
+    """ "Dataset", "IterableDataset", "DatasetDict" or "IterableDatasetDict" for an object of
+    Hugging Face `datasets`, else None."""
+    for cls in type(value).__mro__:
+        if cls.__module__.split(".")[0] == "datasets" and cls.__name__ in (
+            "Dataset", "IterableDataset", "DatasetDict", "IterableDatasetDict",
+        ):  # fmt: skip
+            return cls.__name__
+    return None
+
+
+def input_list(inputs: Any) -> list[Any]:
+    """The inputs a run was given, as a list: one path, URL or dataset, or a sequence of them."""
+    if isinstance(inputs, (str, Path)) or hf_dataset_kind(inputs) is not None:
+        return [inputs]
+    return list(inputs)
+
+
+def list_inputs(paths: Sequence[Any]) -> list[InputPath]:
+    """Inputs in order: files and datasets as given, folders expanded recursively and sorted.
 
     Inside folders, names starting with "." or "_" are skipped (as pyarrow datasets do:
-    `_SUCCESS`, `.DS_Store`); any other file must have a supported suffix. A URL
-    (`s3://bucket/prefix`, `gs://...`, `file:///...`) is listed and read through fsspec.
+    `_SUCCESS`, `.DS_Store`), and so are a Hugging Face dataset card (`README.md`,
+    `dataset_infos.json`); any other file must have a supported suffix. A folder written by
+    `Dataset.save_to_disk` is read as the Arrow files its `state.json` lists; one of a
+    `DatasetDict`, or a Hub snapshot holding several splits (`data/train-00000-of-00001.parquet`,
+    `data/test-...`), is refused: pass one split. A URL (`s3://bucket/prefix`, `gs://...`,
+    `file:///...`) is listed and read through fsspec.
     """
     found: list[InputPath] = []
-    for given in paths:
-        files: Sequence[InputPath] = (
-            _list_url(given)
-            if isinstance(given, str) and is_url(given)
-            else _list_local(Path(given))
-        )
+    for position, given in enumerate(input_list(paths), start=1):
+        kind = hf_dataset_kind(given)
+        files: Sequence[InputPath]
+        if kind in ("Dataset", "IterableDataset"):
+            files = [DatasetInput(given, position)]
+        elif kind is not None:
+            splits = ", ".join(map(str, given))
+            raise ValueError(
+                f"input {position} is a {kind} (splits: {splits}); pass one split, "
+                f"such as dataset[{next(iter(given), 'train')!r}]"
+            )
+        elif isinstance(given, str) and is_url(given):
+            files = _list_url(given)
+        elif isinstance(given, (str, Path)):
+            files = _list_local(Path(given))
+        else:
+            raise TypeError(
+                f"input {position}: expected a path, a URL or a Hugging Face datasets.Dataset, "
+                f"got {type(given).__name__}"
+            )
         for file in files:
-            input_suffix(file)
+            if not isinstance(file, DatasetInput):
+                input_suffix(file)
         found.extend(files)
     if not found:
         raise ValueError(f"no input files given ({_supported()})")
-    seen: set[str] = set()
+    seen: set[Any] = set()
     for file in found:
-        key = file if isinstance(file, str) else str(file.resolve())
+        if isinstance(file, DatasetInput):
+            key: Any = id(file.dataset)
+        else:
+            key = file if isinstance(file, str) else str(file.resolve())
         if key in seen:
-            raise ValueError(f"input {file} is listed twice; each file must be read once")
+            raise ValueError(f"input {file} is listed twice; each input must be read once")
         seen.add(key)
     return found
 
@@ -63,31 +136,99 @@ def _list_local(path: Path) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"input not found: {path}")
-    files = [
-        p
+    relative = [
+        p.relative_to(path).parts
         for p in path.rglob("*")
         if p.is_file() and not any(part[0] in "._" for part in p.relative_to(path).parts)
     ]
-    if not files:
+    chosen = _hf_layout(str(path), relative, lambda parts: path.joinpath(*parts).read_bytes())
+    if not chosen:
         raise ValueError(f"folder {path} holds no input files ({_supported()})")
-    return sorted(files, key=lambda p: p.relative_to(path).parts)
+    return [path.joinpath(*parts) for parts in chosen]
 
 
 def _list_url(url: str) -> list[InputPath]:
     fs, root = _filesystem(url)
-    if fs.isfile(root):
-        return [url]
-    if not fs.isdir(root):
-        raise FileNotFoundError(f"input not found: {url}")
-    base = root.rstrip("/")
-    relative = [
-        parts
-        for parts in (p[len(base) + 1 :].split("/") for p in fs.find(root))
-        if not any(not part or part[0] in "._" for part in parts)  # "" from a key like a//b
-    ]
-    if not relative:
+    try:
+        if fs.isfile(root):
+            return [url]
+        if not fs.isdir(root):
+            raise FileNotFoundError(f"input not found: {url}")
+        base = root.rstrip("/")
+        relative = [
+            tuple(parts)
+            for parts in (p[len(base) + 1 :].split("/") for p in fs.find(root))
+            if not any(not part or part[0] in "._" for part in parts)  # "" from a key like a//b
+        ]
+        chosen = _hf_layout(url, relative, lambda parts: fs.cat_file(f"{base}/{'/'.join(parts)}"))
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # unreachable host, refused connection, no permission
+        raise OSError(f"{url}: cannot read: {err}") from None
+    if not chosen:
         raise ValueError(f"folder {url} holds no input files ({_supported()})")
-    return [url.rstrip("/") + "/" + "/".join(parts) for parts in sorted(relative)]
+    return [url.rstrip("/") + "/" + "/".join(parts) for parts in chosen]
+
+
+HF_CARD_FILES = ("README.md", "dataset_infos.json")  # a Hub dataset's card, beside its data
+
+
+_SPLIT_FILE = re.compile(r"^(?P<split>[^/]+?)-\d{5}-of-\d{5}\.(?:parquet|arrow)$")
+
+
+def _hf_layout(
+    root: str, relative: list[tuple[str, ...]], read: Callable[[tuple[str, ...]], bytes]
+) -> list[tuple[str, ...]]:
+    """The files of a folder to read, sorted, given every file's path parts below it.
+
+    Folders written by `datasets` are recognised: `Dataset.save_to_disk` (`state.json`,
+    `dataset_info.json`: its Arrow data files, nothing else), `DatasetDict.save_to_disk`
+    (`dataset_dict.json`: refused, naming its splits) and Hub files of several splits
+    (`<split>-00000-of-00003.parquet`: refused, as reading them all would mix the splits).
+    """
+    present = set(relative)
+    for parts in sorted(present):
+        if parts[-1] == "dataset_dict.json":
+            where = "/".join((root, *parts[:-1]))
+            names = json.loads(read(parts)).get("splits", [])
+            raise ValueError(
+                f"{where} holds a DatasetDict saved by datasets (splits: {', '.join(names)}); "
+                f"pass one split's folder, such as {where}/{names[0] if names else 'train'}"
+            )
+    saved = {
+        p[:-1]
+        for p in present
+        if p[-1] == "state.json" and (*p[:-1], "dataset_info.json") in present
+    }
+    keep: list[tuple[str, ...]] = []
+    for folder in sorted(saved):
+        state = json.loads(read((*folder, "state.json")))
+        data = [(*folder, entry["filename"]) for entry in state.get("_data_files", [])]
+        missing = [p for p in data if p not in present]
+        if missing:
+            raise FileNotFoundError(
+                f"{'/'.join((root, *missing[0]))}: listed in state.json but missing"
+            )
+        keep += data
+
+    def inside(parts: tuple[str, ...]) -> bool:
+        return any(parts[: len(folder)] == folder for folder in saved)
+
+    keep += [p for p in present if not inside(p) and p[-1] not in HF_CARD_FILES]
+    splits: dict[str, tuple[str, ...]] = {}  # split -> one of its files
+    for parts in sorted(keep):
+        match = _SPLIT_FILE.match(parts[-1])
+        if match is not None and not inside(parts):
+            splits.setdefault(match["split"], parts)
+    if len(splits) > 1:
+        pick = "train" if "train" in splits else sorted(splits)[0]
+        example = "/".join((root, *splits[pick][:-1], f"{pick}-*"))
+        raise ValueError(
+            f"folder {root} holds the splits {', '.join(sorted(splits))} (Hugging Face file "
+            f"names <split>-NNNNN-of-NNNNN); reading them all would mix them: pass one "
+            f"split's files, such as {example}"
+        )
+    return sorted(keep)
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
@@ -102,7 +243,15 @@ def input_identity(path: InputPath) -> tuple[int, str]:
     """(bytes, modification stamp) of an input file: part of a run's identity, so that a file
     rewritten since an interrupted run is not resumed as if it were the same (as far as its
     filesystem's stamps tell: mtime in ns where the filesystem keeps them, else the ETag or
-    last-modified time of the object)."""
+    last-modified time of the object).
+
+    A `datasets.Dataset` is identified by (rows, its fingerprint); an `IterableDataset` has no
+    identity to check, so it gets a fresh stamp: a run on one is never resumed."""
+    if isinstance(path, DatasetInput):
+        fingerprint = getattr(path.dataset, "_fingerprint", None)
+        if fingerprint is None:
+            return -1, f"unidentified-{uuid.uuid4().hex}"
+        return len(path.dataset), str(fingerprint)
     if isinstance(path, str) and is_url(path):
         fs, inner = _filesystem(path)
         info = fs.info(inner)
@@ -148,7 +297,7 @@ class _ZstdRaw(io.RawIOBase):
         return n
 
 
-@contextmanager
+@contextlib.contextmanager
 def open_bytes(path: InputPath) -> Iterator[IO[bytes]]:
     """The file's bytes, decompressed by its suffix (.gz, .zst); only a plain file can seek."""
     name = source_name(path).lower()
@@ -163,7 +312,7 @@ def open_bytes(path: InputPath) -> Iterator[IO[bytes]]:
             yield file
 
 
-@contextmanager
+@contextlib.contextmanager
 def open_parquet(path: InputPath) -> Iterator[pq.ParquetFile]:
     if not is_url(path):
         with pq.ParquetFile(path) as parquet:
@@ -173,8 +322,34 @@ def open_parquet(path: InputPath) -> Iterator[pq.ParquetFile]:
         yield parquet
 
 
-@contextmanager
+@contextlib.contextmanager
+def open_arrow(path: InputPath) -> Iterator[Iterator[pa.RecordBatch]]:
+    """The record batches of an Arrow file: the IPC stream format `datasets` writes, or the
+    IPC file format (which opens with `ARROW1`); a local file is memory-mapped."""
+    with contextlib.ExitStack() as stack:
+        if is_url(path):
+            source: Any = stack.enter_context(_open_file(path))
+        else:
+            source = stack.enter_context(pa.memory_map(str(path)))
+        magic = source.read(6)
+        source.seek(0)
+        if magic == b"ARROW1":
+            reader = pa.ipc.open_file(source)
+            yield (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            yield iter(pa.ipc.open_stream(source))
+
+
+def dataset_batches(path: DatasetInput, rows: int) -> Iterator[pa.Table]:
+    """A `datasets.Dataset`/`IterableDataset`, `rows` rows at a time, as Arrow tables: streamed,
+    and whatever format (torch, numpy) the user set on it left aside."""
+    return path.dataset.with_format("arrow").iter(batch_size=rows)
+
+
+@contextlib.contextmanager
 def _open_file(path: InputPath) -> Iterator[IO[bytes]]:
+    if isinstance(path, DatasetInput):
+        raise TypeError(f"{path}: an in-memory dataset has no bytes to open; read its records")
     if isinstance(path, str) and is_url(path):
         fs, inner = _filesystem(path)
         with fs.open(inner, "rb") as file:
@@ -185,6 +360,8 @@ def _open_file(path: InputPath) -> Iterator[IO[bytes]]:
 
 
 def source_name(path: InputPath) -> str:
+    if isinstance(path, DatasetInput):
+        return path.name
     text = str(path).split("?", 1)[0] if is_url(path) else str(path)  # https://.../x.jsonl?sig=...
     return text.rstrip("/").rsplit("/", 1)[-1]
 

@@ -24,7 +24,13 @@ from tokenmill.preprocess.chunks import ChunkResult
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.engine import make_engine
 from tokenmill.preprocess.filters import FILTER_REASONS
-from tokenmill.preprocess.inputs import InputPath, input_identity, list_inputs
+from tokenmill.preprocess.inputs import (
+    DatasetInput,
+    InputPath,
+    input_identity,
+    input_list,
+    list_inputs,
+)
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import ON_ERROR, RecordError
 from tokenmill.preprocess.runlog import Journal, ResumeState, Summary
@@ -41,7 +47,7 @@ class Pipeline:
     def __init__(
         self,
         config: PipelineConfig | str | Path,
-        inputs: Sequence[str | Path] | str | Path,
+        inputs: Sequence[str | Path | Any] | str | Path | Any,  # Any: a datasets.Dataset
         output_dir: str | Path,
         tokenizer_path: str | Path,
         workers: int | None = None,
@@ -56,7 +62,7 @@ class Pipeline:
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
         self.config = config
-        self.inputs = [inputs] if isinstance(inputs, (str, Path)) else list(inputs)
+        self.inputs = input_list(inputs)
         # absolute: Ray workers and tools run from other folders than the one the run started in
         self.output_dir = Path(output_dir).absolute()
         self.tokenizer_path = str(Path(tokenizer_path).absolute())
@@ -74,8 +80,13 @@ class Pipeline:
     def run(self) -> Summary:
         start = time.perf_counter()
         files = list_inputs(self.inputs)
+        if self.engine == "ray" and any(isinstance(f, DatasetInput) for f in files):
+            raise ValueError(
+                "the ray engine reads input files on its workers, not an in-memory dataset: "
+                "save it (Dataset.save_to_disk(DIR) or to_parquet) and pass that"
+            )
         for file in files:  # the output folder is removed on a bad record or --overwrite
-            if not isinstance(file, str) and self.output_dir in (file, *file.parents):
+            if isinstance(file, Path) and self.output_dir in (file, *file.parents):
                 raise ValueError(
                     f"{self.output_dir} contains the input {file}; write the output elsewhere"
                 )

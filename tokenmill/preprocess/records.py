@@ -1,7 +1,8 @@
 """Records: input files (opened by inputs.py) -> `Record`s that remember their origin.
 
-Reads .jsonl / .json (one object or a list) and their .gz / .zst forms, and .parquet, all
-streamed; `parse_line` is the one JSONL line parser (preprocessing, the Ray engine's reads
+Reads .jsonl / .json (one object or a list) and their .gz / .zst forms, .parquet, .arrow
+and the rows of a Hugging Face `datasets.Dataset`/`IterableDataset`, all streamed;
+`parse_line` is the one JSONL line parser (preprocessing, the Ray engine's reads
 and the training store's raw route all use it). Every bad line becomes a `RecordError` naming file, line and field; the caller either
 lets it raise or collects it with `on_error` and goes on with the next line.
 """
@@ -20,9 +21,12 @@ import pyarrow as pa
 import zstandard
 
 from tokenmill.preprocess.inputs import (
+    DatasetInput,
     InputPath,
+    dataset_batches,
     input_suffix,
     is_url,
+    open_arrow,
     open_bytes,
     open_parquet,
     source_name,
@@ -36,7 +40,7 @@ REASONS = (
 )  # fmt: skip
 
 
-PARQUET_BATCH_ROWS = 1024
+PARQUET_BATCH_ROWS = 1024  # rows turned into Python objects at a time (Parquet, Arrow, datasets)
 
 
 _STREAM_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError, pa.ArrowException)
@@ -82,11 +86,16 @@ def read_records(
     (if given) gets the byte offset of each record's line in the decompressed stream, so that
     a reader elsewhere can seek to it (the Ray engine's scan).
     """
+    if isinstance(path, DatasetInput):
+        yield from _read_dataset(path, on_error)
+        return
     if not is_url(path):
         path = Path(path)
     suffix = input_suffix(path)
     if suffix == ".parquet":
         yield from _read_parquet(path, on_error)
+    elif suffix == ".arrow":
+        yield from _read_arrow(path, on_error)
     elif suffix.startswith(".jsonl"):
         yield from _read_jsonl(path, on_error, offsets)
     else:
@@ -185,6 +194,34 @@ def _read_parquet(path: InputPath, on_error: OnError) -> Iterator[Record]:
                     row += 1
                     yield Record(source, row, data)
     except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, row, exc), on_error)
+
+
+def _read_arrow(path: InputPath, on_error: OnError) -> Iterator[Record]:
+    """Rows of an Arrow file (what `Dataset.save_to_disk` writes), batch by batch (line =
+    1-based row); a batch `datasets` wrote may be large, so it is cut into slices."""
+    source = str(path)
+    row = 0
+    try:
+        with open_arrow(path) as batches:
+            for batch in batches:
+                for start in range(0, batch.num_rows, PARQUET_BATCH_ROWS):
+                    for data in batch.slice(start, PARQUET_BATCH_ROWS).to_pylist():
+                        row += 1
+                        yield Record(source, row, data)
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, row, exc), on_error)
+
+
+def _read_dataset(path: DatasetInput, on_error: OnError) -> Iterator[Record]:
+    """Rows of an in-memory Hugging Face dataset, as Arrow batches (line = 1-based row)."""
+    row = 0
+    try:
+        for table in dataset_batches(path, PARQUET_BATCH_ROWS):
+            for data in table.to_pylist():
+                row += 1
+                yield Record(path.name, row, data)
+    except _STREAM_ERRORS as exc:  # a streamed (Hub) dataset whose connection breaks
         _report(_stream_error(path, row, exc), on_error)
 
 

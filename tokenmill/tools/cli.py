@@ -1,23 +1,29 @@
 """The `tokenmill` command: the flow's entry points for people.
 
 Each subcommand is a thin shell over the Python API, so what a person runs
-here is exactly what a script gets.
+here is exactly what a script gets. A user error (bad config, missing input or tokenizer,
+unreachable URL, an output path that is a file) ends in one `tokenmill: error: ...` line and
+exit status 2, never a traceback; colour only on a terminal, and never under NO_COLOR.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
-from tokenmill.preprocess.config import ConfigError, PipelineConfig
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.engine import ENGINES
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS, default_config
-from tokenmill.preprocess.records import ON_ERROR, RecordError
+from tokenmill.preprocess.records import ON_ERROR
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"tokenmill {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("preprocess", help="records -> shards")
@@ -44,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", choices=list(ENGINES), default="local")
     p.add_argument("--ray-address", default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("--json", action="store_true", help="print the run's summary as JSON")
 
     v = sub.add_parser("verify", help="check every shard's sizes, offsets and checksums")
     v.add_argument("dataset")
+    v.add_argument("--json", action="store_true", help="print the problems found as JSON")
 
     i = sub.add_parser("inspect", help="per-domain counts, lengths, trained share, provenance")
     i.add_argument("dataset")
@@ -66,7 +74,36 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("-c", "--config", help="raw records: a PipelineConfig file")
     s.add_argument("--tokenizer", help="tokenizer folder (default: the one the manifest names)")
     s.add_argument("--ids", action="store_true", help="print token ids too")
-    s.add_argument("--color", choices=["auto", "always", "never"], default="auto")
+    s.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="auto: on a terminal, unless NO_COLOR is set",
+    )
+
+    e = sub.add_parser("export", help="a dataset as Megatron .bin/.idx or Hugging Face Arrow")
+    e.add_argument("dataset")
+    e.add_argument("--to", choices=["megatron", "hf"], required=True)
+    e.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="megatron: PREFIX (writes PREFIX.bin, PREFIX.idx); hf: a folder",
+    )
+    e.add_argument(
+        "--tokens-only",
+        action="store_true",
+        help="megatron: export the tokens of a dataset with a loss mask (the mask is lost)",
+    )
+    e.add_argument("--overwrite", action="store_true", help="replace an earlier export")
+    e.add_argument("--json", action="store_true", help="print what was written as JSON")
+
+    m = sub.add_parser("import", help="a Megatron .bin/.idx corpus as tokenmill shards")
+    m.add_argument("prefix", help="PREFIX of PREFIX.bin and PREFIX.idx")
+    m.add_argument("-o", "--output", required=True, help="output dataset folder")
+    m.add_argument("--max-tokens-per-shard", type=int, default=None)
+    m.add_argument("--overwrite", action="store_true", help="replace a tokenmill dataset there")
+    m.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     d = sub.add_parser("demo", help="run the whole flow on the data shipped with tokenmill")
     d.add_argument("-o", "--output", default="out/demo")
@@ -78,20 +115,57 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (
-        ConfigError,
-        RecordError,
-        FileExistsError,
-        FileNotFoundError,
-        ValueError,
-        IndexError,
-        ImportError,
-    ) as err:
-        print(f"tokenmill {args.command}: error: {err}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `tokenmill show ... | head`
         sys.stderr.close()
         return 0
+    except (ValueError, OSError, IndexError, ImportError) as err:  # ConfigError, RecordError too
+        for line in error_text(err).splitlines() or [type(err).__name__]:
+            print(f"tokenmill: error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tokenmill: interrupted", file=sys.stderr)
+        return 130
+
+
+def version() -> str:
+    """The installed package's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("tokenmill")
+    except PackageNotFoundError:
+        from tokenmill import __version__
+
+        return __version__
+
+
+def error_text(err: BaseException) -> str:
+    """What went wrong, for a person: an OS error as `path: reason`, not its errno tuple."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    return str(err)
+
+
+def use_color(choice: str) -> bool:
+    """Never under NO_COLOR (no-color.org), whatever was asked; auto: only on a terminal."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    return choice == "always" or (choice == "auto" and sys.stdout.isatty())
+
+
+def output_folder(path: str) -> Path:
+    """An output folder's path, refused at once when a file is in its place."""
+    out = Path(path)
+    for folder in (out, *out.absolute().parents):
+        if folder.exists() and not folder.is_dir():
+            where = "" if folder == out else f": {folder}"
+            raise NotADirectoryError(f"output {out}{where} is a file, not a folder")
+    return out
+
+
+def print_result(result: dict[str, Any], as_json: bool, text: str) -> None:
+    print(json.dumps(result, indent=2) if as_json else text)
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
@@ -103,7 +177,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     summary = Pipeline(
         config,
         args.inputs,
-        output_dir=args.output,
+        output_dir=output_folder(args.output),
         tokenizer_path=args.tokenizer,
         workers=args.workers,
         on_error=args.on_error,
@@ -111,7 +185,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         ray_address=args.ray_address,
     ).run()
-    print(summary.format())
+    print_result(summary.as_dict(), args.json, summary.format())
     if not summary.records_written:  # a run that leaves nothing to train on is not a success
         print(
             f"tokenmill preprocess: no record written: all {summary.records_read} dropped; "
@@ -143,8 +217,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         config = PipelineConfig.from_file(args.config)
     elif args.type:
         config = default_config(args.type)
-    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    print(show(args.target, args.index, args.tokenizer, config, color, args.ids))
+    print(show(args.target, args.index, args.tokenizer, config, use_color(args.color), args.ids))
     return 0
 
 
@@ -152,10 +225,52 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from tokenmill.shards.verify import verify_dataset
 
     problems = verify_dataset(Path(args.dataset))
-    for problem in problems:
-        print(problem)
-    print(f"{args.dataset}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+    text = "\n".join(
+        [*problems, f"{args.dataset}: {'OK' if not problems else f'{len(problems)} problem(s)'}"]
+    )
+    result = {"dataset": args.dataset, "ok": not problems, "problems": problems}
+    print_result(result, args.json, text)
     return 1 if problems else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from tokenmill.tools.convert import export_hf, export_megatron
+
+    if args.to == "hf":
+        if args.tokens_only:
+            raise ValueError("--tokens-only is for --to megatron; --to hf keeps every key")
+        result = export_hf(args.dataset, output_folder(args.output), overwrite=args.overwrite)
+        text = (
+            f"wrote {result['folder']}: {result['rows']:,} rows in {result['files']} Arrow "
+            f"file(s), columns {', '.join(result['columns'])} (datasets.load_from_disk reads it)"
+        )
+    else:
+
+        def warn(line: str) -> None:
+            print(f"tokenmill: warning: {line}", file=sys.stderr)
+
+        result = export_megatron(
+            args.dataset, args.output, args.tokens_only, overwrite=args.overwrite, warn=warn
+        )
+        text = (
+            f"wrote {result['bin']} and {result['idx']}: {result['documents']:,} documents, "
+            f"{result['tokens']:,} tokens ({result['dtype']})"
+        )
+    print_result(result, args.json, text)
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from tokenmill.tools.convert import import_megatron
+
+    summary = import_megatron(
+        args.prefix,
+        output_folder(args.output),
+        max_tokens_per_shard=args.max_tokens_per_shard,
+        overwrite=args.overwrite,
+    )
+    print_result(summary.as_dict(), args.json, summary.format())
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -179,5 +294,7 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "show": cmd_show,
     "verify": cmd_verify,
+    "export": cmd_export,
+    "import": cmd_import,
     "demo": cmd_demo,
 }
