@@ -8,6 +8,7 @@ for the same records and config, both routes must give identical items.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -411,3 +412,56 @@ def test_truncating_a_row_sample_cuts_its_boundaries_too(chats):
     bad = {**item, "input_ids": item["input_ids"][:5], "target_ids": item["target_ids"][:5]}
     with pytest.raises(ValueError, match="doc_lengths sum to"):
         PackedCollator().collate([bad])
+
+
+@pytest.fixture(scope="module")
+def two_tokenizers(raw: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same records preprocessed with two tokenizers of different families."""
+    from tokenmill.preprocess.pipeline import Pipeline
+
+    out = {}
+    for name in ("qwen2.5", "deepseek-v3"):
+        out[name] = tmp_path_factory.mktemp(f"seq_{name}")
+        Pipeline(
+            default_config("seq"),
+            [raw["seq"]],
+            output_dir=out[name],
+            tokenizer_path=DATA / "tokenizers" / name,
+            workers=1,
+            overwrite=True,
+        ).run()
+    return out
+
+
+def test_mixing_data_of_two_tokenizers_is_refused_naming_both(two_tokenizers):
+    from tokenmill.dataflow import MapDistributor, MixtureDistributor, RankPartitionedDistributor
+
+    qwen, deepseek = (
+        DatasetFactory.load("seq", two_tokenizers[n], window_size=WINDOW)
+        for n in ("qwen2.5", "deepseek-v3")
+    )
+    assert qwen.tokenizer_provenance[1].endswith("qwen2.5")
+    sources = [MapDistributor(qwen), MapDistributor(deepseek)]
+    with pytest.raises(
+        ValueError, match=r"source 0 was tokenized with .*qwen2\.5 .* source 1 with .*deepseek-v3"
+    ):
+        MixtureDistributor(sources, [1, 1])
+    with pytest.raises(ValueError, match="allow_mixed_tokenizers=True"):
+        RankPartitionedDistributor(sources, [1, 1])
+    MixtureDistributor(sources, [1, 1], allow_mixed_tokenizers=True)  # on purpose
+    MixtureDistributor(
+        [MapDistributor(qwen), MapDistributor(load("seq", two_tokenizers["qwen2.5"]))], [1, 1]
+    )
+
+
+def test_loading_with_another_tokenizer_than_the_data_was_made_with_warns(two_tokenizers):
+    path = two_tokenizers["qwen2.5"]
+    with pytest.warns(
+        UserWarning, match=r"made with the tokenizer at .*qwen2\.5.*loaded with .*deepseek-v3"
+    ):
+        DatasetFactory.load(
+            "seq", path, window_size=WINDOW, tokenizer_path=DATA / "tokenizers" / "deepseek-v3"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DatasetFactory.load("seq", path, window_size=WINDOW, tokenizer_path=TOKENIZER)

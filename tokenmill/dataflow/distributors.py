@@ -212,6 +212,32 @@ class IterableDistributor(_IndexedDistributor):
         self.consumed = int(state["consumed"])
 
 
+def source_tokenizer(source: Any) -> tuple[str, str] | None:
+    """(fingerprint, path) of the tokenizer a source's data was made with, where it says."""
+    data = getattr(source, "dataset", None) or getattr(source, "iterable", None)
+    found = getattr(data, "tokenizer_provenance", None)
+    for inner in getattr(source, "sources", ()) if found is None else ():
+        found = found or source_tokenizer(inner)
+    return found
+
+
+def check_one_tokenizer(owner: str, sources: Sequence[Any], allow: bool) -> None:
+    """Sources tokenized by different tokenizers make a stream whose ids mean different
+    things: refused, naming both, unless `allow` says it is on purpose."""
+    seen: dict[str, tuple[int, str]] = {}
+    for i, source in enumerate(sources):
+        found = source_tokenizer(source)
+        if found is not None:
+            seen.setdefault(found[0], (i, found[1]))
+    if len(seen) > 1 and not allow:
+        (fp_a, (a, path_a)), (fp_b, (b, path_b)) = list(seen.items())[:2]
+        raise ValueError(
+            f"{owner}: source {a} was tokenized with {path_a} (fingerprint {fp_a[:12]}) and "
+            f"source {b} with {path_b} (fingerprint {fp_b[:12]}); their token ids do not mean "
+            "the same; pass allow_mixed_tokenizers=True if that is on purpose"
+        )
+
+
 def rank_split(dp_world_size: int, ratios: Sequence[float]) -> list[int]:
     """Ranks per source, proportional to `ratios` (largest remainder, lowest index on ties)."""
     if any(r <= 0 for r in ratios) or not ratios:
@@ -235,9 +261,15 @@ class RankPartitionedDistributor(_IndexedDistributor):
     0 (as its ranks 0-5 of 6) and ranks 6-7 read source 1 (as its ranks 0-1 of 2). A rank's
     state is its source's position: it resumes under the same world size, on the same source."""
 
-    def __init__(self, sources: Sequence[DataDistributor], ratios: Sequence[float]) -> None:
+    def __init__(
+        self,
+        sources: Sequence[DataDistributor],
+        ratios: Sequence[float],
+        allow_mixed_tokenizers: bool = False,
+    ) -> None:
         if len(sources) != len(ratios):
             raise ValueError(f"{len(sources)} sources but {len(ratios)} ratios")
+        check_one_tokenizer("RankPartitionedDistributor", sources, allow_mixed_tokenizers)
         if not ratios or any(r <= 0 for r in ratios):
             raise ValueError(f"ratios must be positive, got {list(ratios)}")
         self.sources, self.ratios = list(sources), [float(r) for r in ratios]
@@ -322,9 +354,11 @@ class MixtureDistributor(_IndexedDistributor):
         weights: Sequence[float],
         by: str = "samples",
         size_fn: Callable[[Any], int] | None = None,
+        allow_mixed_tokenizers: bool = False,
     ) -> None:
         if len(sources) != len(weights) or not sources:
             raise ValueError(f"{len(sources)} sources but {len(weights)} weights")
+        check_one_tokenizer("MixtureDistributor", sources, allow_mixed_tokenizers)
         if any(w <= 0 for w in weights):
             raise ValueError(f"weights must be positive, got {list(weights)}")
         if by not in MIXTURE_UNITS:

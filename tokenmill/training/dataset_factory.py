@@ -3,6 +3,7 @@ store as the dataset of a training type."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,10 @@ class DatasetFactory:
             store = _load_store(
                 train_type, load_path, window_size, stride, storage_type, tokenizer_path
             )
-        return DatasetFactory.create(train_type, store, max_len=max_len, sample=sample)
+        dataset = DatasetFactory.create(train_type, store, max_len=max_len, sample=sample)
+        if tokenizer_path is not None:
+            _warn_other_tokenizer(dataset, load_path, tokenizer_path)
+        return dataset
 
 
 def _load_store(
@@ -92,6 +96,22 @@ def _load_store(
     else:
         store.load(load_path, tokenizer_path=tokenizer_path)
     return store
+
+
+def _warn_other_tokenizer(dataset: BaseDataset, load_path: Any, tokenizer_path: Any) -> None:
+    """Data made with one tokenizer, loaded naming another: its ids decode to other text."""
+    made = dataset.tokenizer_provenance
+    if made is None:
+        return
+    from tokenmill.preprocess.tokenizer import load_tokenizer
+
+    given = load_tokenizer(tokenizer_path).fingerprint
+    if given != made[0]:
+        warnings.warn(
+            f"{load_path}: made with the tokenizer at {made[1]} (fingerprint {made[0][:12]}), "
+            f"loaded with tokenizer_path={str(tokenizer_path)!r} (fingerprint {given[:12]})",
+            stacklevel=3,
+        )
 
 
 def record_processor(train_type: str, tokenizer_path: str | Path) -> Any:

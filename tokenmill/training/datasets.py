@@ -68,6 +68,15 @@ class BaseDataset(Dataset):
     def _cut_params(self) -> str:
         return f"max_len={self.max_len}"
 
+    @property
+    def tokenizer_provenance(self) -> tuple[str, str] | None:
+        """(fingerprint, path) of the tokenizer the data was made with, from its manifest;
+        None where the data does not say (seed-format shards, raw JSONL)."""
+        manifest = getattr(self.store, "manifest", None)
+        if isinstance(manifest, dict) and manifest.get("tokenizer_fingerprint"):
+            return str(manifest["tokenizer_fingerprint"]), str(manifest.get("tokenizer_path"))
+        return None
+
     def _check_index(self, index: int) -> int:
         n = len(self)
         if not -n <= index < n:
