@@ -7,7 +7,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,ray,plot]'
+	$(PY) -m pip install --quiet -e '.[dev,ray,plot,s3,hf]'
 	touch $(STAMP)
 
 .PHONY: demo test test-fast lint bench
