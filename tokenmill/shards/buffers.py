@@ -56,13 +56,14 @@ class ColumnBuffer:
     def build(self, dtype: str) -> Column:
         values = np.concatenate(self.parts) if self.parts else np.empty(0, DTYPES[dtype])
         values = cast(values, dtype, f"key {self.key!r}")
-        bounds = _bounds(self.lengths)
+        bounds = offsets_of(self.lengths)
         if self.is_list:
-            return Column(values, _bounds(self.item_counts), bounds)
+            return Column(values, offsets_of(self.item_counts), bounds)
         return Column(values, bounds)
 
 
-def _bounds(lengths: list[int]) -> np.ndarray:
+def offsets_of(lengths: list[int]) -> np.ndarray:
+    """Offsets (int64, from 0) of consecutive pieces of these lengths."""
     out = np.zeros(len(lengths) + 1, OFFSET_DTYPE)
     np.cumsum(lengths, out=out[1:])
     return out

@@ -2,7 +2,8 @@
 
 A shard is staged in a temp folder (arrays, offsets, fsync, `meta.json` last) and renamed
 into place; `ShardCutter` decides where shards end from token counts alone, so the local
-writer and the Ray engine's planner cut the same shards.
+writer and the Ray engine's planner cut the same shards. `ShardWriter` streams each row to its
+shard's temp files as it comes (`StagedShard`), so its memory does not grow with the shard.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from tokenmill.shards.buffers import ShardBuffer, jsonl_line
+from tokenmill.shards.buffers import ShardBuffer, jsonl_line, offsets_of
 from tokenmill.shards.files import fsync_dir, publish, tmp_path, write_durable
 from tokenmill.shards.format import (
+    DTYPES,
     KEY_RE,
     OFFSET_DTYPE,
     STORAGE_FORMATS,
@@ -25,6 +28,8 @@ from tokenmill.shards.format import (
     Column,
     cast,
     checksum,
+    flat,
+    is_list_value,
     row_tokens,
     shard_name,
 )
@@ -84,16 +89,143 @@ def stage_shard(
     return tmp, meta
 
 
-def stage_part(part: Path, lines: list[bytes]) -> tuple[Path, dict]:
-    """Writes a JSONL part into its temp file, ready to `publish`; returns (temp, size and checksum)."""
-    data = b"".join(lines)
-    tmp = tmp_path(Path(part))
-    try:
-        write_durable(tmp, data)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp, {"nbytes": len(data), "xxh64": checksum(data)}
+class StagedPart:
+    """A JSONL part written into its temp file line by line, checksummed as it goes."""
+
+    def __init__(self, final: Path) -> None:
+        self.tmp = tmp_path(Path(final))
+        self.file = open(self.tmp, "wb")  # noqa: SIM115  # closed by finish() or discard()
+        self.hash, self.nbytes = xxhash.xxh64(), 0
+
+    def add(self, line: bytes) -> None:
+        self.file.write(line)
+        self.hash.update(line)
+        self.nbytes += len(line)
+
+    def finish(self) -> tuple[Path, dict]:
+        """Flushed and fsynced, ready to `publish`; returns (temp, size and checksum)."""
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+        except BaseException:
+            self.discard()
+            raise
+        return self.tmp, {"nbytes": self.nbytes, "xxh64": self.hash.hexdigest()}
+
+    def discard(self) -> None:
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+FLUSH_BYTES = 4 << 20  # a key's values are written in pieces of about this many bytes
+
+
+class _StagedColumn:
+    """One key's file in a staged shard: values appended, checksummed as they are written."""
+
+    def __init__(self, path: Path, dtype: str, where: str) -> None:
+        self.file = open(path, "wb")  # noqa: SIM115  # closed by finish() or discard()
+        self.hash = xxhash.xxh64()
+        self.dtype, self.where = dtype, where
+        self.pending: list[np.ndarray] = []
+        self.pending_bytes = self.count = 0
+        self.lengths: list[int] = []  # per record (plain) or per item (list key)
+        self.item_counts: list[int] = []  # per record, list keys only
+
+    def add(self, arrays: list[np.ndarray]) -> None:
+        for array in arrays:
+            array = cast(array, self.dtype, self.where)
+            self.pending.append(array)
+            self.pending_bytes += array.nbytes
+            self.lengths.append(len(array))
+            self.count += len(array)
+        if self.pending_bytes >= FLUSH_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            data = np.ascontiguousarray(np.concatenate(self.pending))
+            self.hash.update(data.data)
+            data.tofile(self.file)
+            self.pending, self.pending_bytes = [], 0
+
+    def finish(self) -> str:
+        """Writes what is pending, fsyncs, closes; returns the values' checksum."""
+        self.flush()
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        return self.hash.hexdigest()
+
+
+class StagedShard:
+    """A shard written into its temp folder row by row: each key's values go to its file a few MB
+    at a time, checksums are updated as they are written, and only the offsets (8 bytes a
+    record) stay in memory. `finish()` adds the offsets files and meta.json, fsynced, ready to
+    `publish`; the same bytes as `stage_shard` of the whole shard's columns."""
+
+    def __init__(self, final: Path, dtypes: dict[str, str], keys: list[str], list_keys: set[str]):
+        self.tmp = tmp_path(Path(final))
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        self.dtypes, self.list_keys = dtypes, list_keys
+        self.columns = {
+            key: _StagedColumn(self.tmp / f"{key}.bin", dtypes[key], f"key {key!r}") for key in keys
+        }
+        self.records = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        for key, column in self.columns.items():
+            value = record[key]
+            if key in self.list_keys:
+                if not isinstance(value, (list, tuple)):
+                    raise ValueError(
+                        f"key {key!r}: expected a list of arrays in every record, like the first"
+                    )
+                column.item_counts.append(len(value))
+                column.add([flat(v, key) for v in value])
+            else:
+                if is_list_value(value):
+                    raise ValueError(
+                        f"key {key!r}: expected one array in every record, like the first"
+                    )
+                column.add([flat(value, key)])
+        self.records += 1
+
+    def finish(self) -> tuple[Path, dict]:
+        try:
+            meta = {}
+            for key, column in self.columns.items():
+                entry: dict[str, Any] = {
+                    "shape": [column.count],
+                    "dtype": self.dtypes[key],
+                    "nbytes": column.count * np.dtype(DTYPES[self.dtypes[key]]).itemsize,
+                    "xxh64": column.finish(),
+                }
+                bounds = [("offsets", offsets_of(column.lengths))]
+                if key in self.list_keys:
+                    bounds = [("offsets", offsets_of(column.item_counts)), ("items", bounds[0][1])]
+                for part, values in bounds:
+                    write_durable(self.tmp / f"{key}.{part}.bin", values)
+                    entry[part] = {
+                        "file": f"{key}.{part}.bin",
+                        "count": len(values),
+                        "xxh64": checksum(values),
+                    }
+                meta[key] = entry
+            write_durable(self.tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+            fsync_dir(self.tmp)
+        except BaseException:
+            self.discard()
+            raise
+        return self.tmp, meta
+
+    def discard(self) -> None:
+        for column in self.columns.values():
+            column.file.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 class ShardCutter:
@@ -141,8 +273,8 @@ class ShardWriter:
         self.cutter = ShardCutter(max_tokens_per_shard)
         self.domain_dir, self.primary_key = Path(domain_dir), primary_key
         self.storage_format, self.index = storage_format, first_index
-        self.buffer = ShardBuffer(dtypes)
-        self.lines: list[bytes] = []  # storage_format "jsonl"
+        self.buffer = ShardBuffer(dtypes)  # the layout (keys, dtypes) and the record count
+        self.staged: StagedShard | StagedPart | None = None  # the open shard's temp files
         self.published: list[dict] = []
         self.closed = False
 
@@ -157,14 +289,21 @@ class ShardWriter:
         tokens = row_tokens(row[self.primary_key])
         if self.cutter.close_before(tokens):
             self._flush()
-        if self.storage_format == "jsonl":
-            self.buffer.check(row)
-            self.lines.append(
-                jsonl_line({k: row[k] for k in self.buffer.keys or []}, self.buffer.dtypes)
+        self.buffer.check(row)
+        keys = list(self.buffer.keys or [])
+        if self.staged is None:
+            final = self.domain_dir / shard_name(self.index, self.storage_format)
+            self.domain_dir.mkdir(parents=True, exist_ok=True)
+            self.staged = (
+                StagedPart(final)
+                if self.storage_format == "jsonl"
+                else StagedShard(final, self.buffer.dtypes, keys, self.buffer.list_keys)
             )
-            self.buffer.records += 1
+        if isinstance(self.staged, StagedPart):
+            self.staged.add(jsonl_line({k: row[k] for k in keys}, self.buffer.dtypes))
         else:
-            self.buffer.add(row)
+            self.staged.add(row)
+        self.buffer.records += 1
         if self.cutter.add(tokens):
             self._flush()
 
@@ -174,10 +313,11 @@ class ShardWriter:
         name = shard_name(self.index, self.storage_format)
         final = self.domain_dir / name
         self.domain_dir.mkdir(parents=True, exist_ok=True)
-        if self.storage_format == "jsonl":
-            tmp, extra = stage_part(final, self.lines)
-        else:
-            tmp, _ = stage_shard(final, self.buffer.build(), self.buffer.dtypes)
+        if self.staged is None:
+            raise RuntimeError(f"{final}: no row was added to the shard being staged")
+        tmp, extra = self.staged.finish()
+        self.staged = None
+        if self.storage_format != "jsonl":
             # the manifest covers meta.json too: an edited dtype or shape is caught at load
             extra = {"meta_xxh64": checksum((tmp / "meta.json").read_bytes())}
         info = {
@@ -201,7 +341,6 @@ class ShardWriter:
         self.published.append(info)
         self.index += 1
         self.buffer.clear()
-        self.lines = []
         self.cutter.reset()
 
     def close(self) -> list[dict]:
@@ -215,7 +354,9 @@ class ShardWriter:
         """Drops buffered records and removes this process's temp files; publishes nothing more."""
         self.closed = True
         self.buffer.clear()
-        self.lines = []
+        if self.staged is not None:
+            self.staged.discard()
+            self.staged = None
         if self.domain_dir.is_dir():
             for path in self.domain_dir.glob(f"*{TMP_MARK}{os.getpid()}"):
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
