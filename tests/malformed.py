@@ -132,6 +132,8 @@ CASES: list[Case] = [
     Case("truncated_last_line", "t.jsonl", _line(GOOD) + b'{"messages": [{"role": "us',
          (ERR, "bad_json", "t.jsonl:2", None)),
     Case("valid_last_line_without_newline", "t.jsonl", _line(GOOD) + _line(GOOD)[:-1], (OK, 2)),
+    Case("cr_only_line_endings", "t.jsonl", _line(GOOD)[:-1] + b"\r" + _line(GOOD)[:-1] + b"\r",
+         (ERR, "bad_json", "t.jsonl:1", None)),
     Case("trailing_comma", "t.jsonl", b'{"text": "a",}\n', (ERR, "bad_json", "t.jsonl:1", None)),
     Case("single_quotes", "t.jsonl", b"{'text': 'a'}\n", (ERR, "bad_json", "t.jsonl:1", None)),
     Case("comment_line", "t.jsonl", b"// exported 2024-01-01\n" + _line(GOOD),

@@ -6,6 +6,7 @@ import copy
 import gzip
 import io
 import json
+import os
 import pickle
 import tracemalloc
 from pathlib import Path
@@ -417,3 +418,36 @@ def test_urls_are_listed_and_read_like_local_paths(tmp_path):
         list_inputs(["memory://urls/nope"])
     with pytest.raises(ValueError, match="listed twice"):
         list_inputs(["memory://urls", "memory://urls/e.json"])
+
+
+def test_cr_only_line_endings_are_named_not_called_a_truncated_line(tmp_path):
+    path = tmp_path / "mac.jsonl"
+    path.write_bytes(b'{"text": "one"}\r{"text": "two"}\r')
+    with pytest.raises(RecordError, match=r"mac\.jsonl:1: .*CR-only \(classic Mac\) line endings"):
+        list(read_records(path))
+
+
+def test_symlinked_folders_are_read_once_and_a_link_back_up_does_not_loop(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a.jsonl").write_text('{"text": "a"}\n')
+    top = tmp_path / "top"
+    top.mkdir()
+    (top / "b.jsonl").write_text('{"text": "b"}\n')
+    (top / "linked").symlink_to(real)
+    (real / "loop").symlink_to(top)  # top/linked/loop -> top
+    assert [p.relative_to(top).as_posix() for p in list_inputs([top])] == [
+        "b.jsonl",
+        "linked/a.jsonl",
+    ]
+
+
+def test_a_name_that_is_not_utf8_is_refused_by_name(tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    bad = os.fsdecode(bytes(folder) + b"/caf\xe9.jsonl")
+    Path(bad).write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match="caf.*is not valid UTF-8; rename it"):
+        list_inputs([folder])
+    with pytest.raises(ValueError, match="is not valid UTF-8"):
+        list_inputs([bad])

@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -132,19 +133,49 @@ def list_inputs(paths: Sequence[Any]) -> list[InputPath]:
 
 def _list_local(path: Path) -> list[Path]:
     path = path.absolute()  # the same file for every process that reads it, wherever it runs
+    _check_name(path)
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise FileNotFoundError(f"input not found: {path}")
     relative = [
         p.relative_to(path).parts
-        for p in path.rglob("*")
-        if p.is_file() and not any(part[0] in "._" for part in p.relative_to(path).parts)
+        for p in _walk(path)
+        if not any(part[0] in "._" for part in p.relative_to(path).parts)
     ]
     chosen = _hf_layout(str(path), relative, lambda parts: path.joinpath(*parts).read_bytes())
     if not chosen:
         raise ValueError(f"folder {path} holds no input files ({_supported()})")
     return [path.joinpath(*parts) for parts in chosen]
+
+
+def _check_name(path: Path) -> None:
+    """A name that is not valid UTF-8 is refused: the manifest and the journal record it."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = str(path).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        raise ValueError(
+            f"{shown!r}: the name is not valid UTF-8; rename it (tokenmill records every "
+            "input's name in the manifest)"
+        ) from None
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every file below root, symlinked folders followed (each real folder once, so a link
+    back up cannot loop); a name that is not valid UTF-8 is refused, naming its folder."""
+    files, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders.sort()
+        for name in [*names, *subfolders]:
+            _check_name(Path(folder) / name)
+        files += [Path(folder) / name for name in names if os.path.isfile(Path(folder) / name)]
+    return files
 
 
 def _list_url(url: str) -> list[InputPath]:

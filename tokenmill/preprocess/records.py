@@ -251,7 +251,13 @@ def _json_error(
         at_line, reason = exc.lineno, "bad_utf8" if "surrogate" in exc.msg else "bad_json"
         following = exc.doc[exc.pos : exc.pos + 9] if isinstance(exc.doc, str) else ""
         text = f"invalid JSON at column {exc.colno}: {_explain(exc.msg, following)}"
-    if last_line:
+    if line is not None and b"\r" in raw.rstrip(b"\r\n"):  # JSON never holds a raw CR
+        text = (
+            "the line holds a carriage return (CR) that does not end in LF: the file uses "
+            "CR-only (classic Mac) line endings, and JSONL lines end in \\n; convert it "
+            f"(tr '\\r' '\\n'): {text}"
+        )
+    elif last_line:
         text = f"truncated last line (no newline at end of file): {text}"
     return RecordError(source, line if line is not None else at_line, None, text, reason)
 
