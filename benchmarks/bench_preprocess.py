@@ -1,14 +1,18 @@
-"""Preprocessing throughput vs the raw `tokenizers` floor, measured in the same run.
+"""Preprocessing throughput vs the raw `tokenizers` floor, per training type, in the same run.
 
-Floor: `Tokenizer.encode_batch` (Rust, all cores) over the exact rendered chat
-texts the pipeline tokenizes. Candidate: the whole Pipeline (read, validate,
-render, tokenize, mask, pack, write shards) on the same records with all cores.
-Prints medians and the ratio; the goal is >= 0.85x.
+Floor: `Tokenizer.encode_batch` (Rust, all cores) over the exact texts the pipeline tokenizes:
+chat SFT, each rendered conversation; DPO, each rendered prompt + reply (both replies); text,
+each document. Candidate: the whole Pipeline (read, validate, render, tokenize, mask, pack,
+write shards) on the same records with all cores, on the `sft`, `dpo` and `seq` presets. Each
+corpus repeats a sample file to at least `tokens` tokens, so worker start-up is amortised.
+Prints medians and each type's ratio (the median of per-repeat ratios); the goal is >= 0.9x.
+Run: python benchmarks/bench_preprocess.py [--tokens 10000000] [--repeats 3] [--workers N]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -25,31 +29,46 @@ from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "data" / "chat_sharegpt_1000.jsonl"
 TOKENIZER = ROOT / "data" / "tokenizers" / "qwen2.5"
+# label: (preset, sample file); the samples' DPO replies repeat their prompt, so the
+# conversation the pipeline renders for a reply is the reply's own messages
+TYPES = {
+    "chat SFT": ("sft", "chat_sharegpt_1000.jsonl"),
+    "DPO": ("dpo", "dpo_en_300.jsonl"),
+    "text": ("seq", "pretrain_c4_300.jsonl"),
+}
 
 
-def corpus(copies: int, folder: Path) -> Path:
-    path = folder / "chat.jsonl"
-    path.write_bytes(DATA.read_bytes() * copies)
+def corpus(copies: int, folder: Path, sample: str = "chat_sharegpt_1000.jsonl") -> Path:
+    path = folder / sample
+    path.write_bytes((ROOT / "data" / sample).read_bytes() * copies)
     return path
 
 
-def floor(path: Path) -> tuple[float, int]:
+def texts(train_type: str, sample: str) -> list[str]:
+    """What the pipeline tokenizes for each record of one copy of `sample`, in order."""
     bundle = load_tokenizer(TOKENIZER)
-    texts = [
-        render_text(bundle, orjson.loads(line)["messages"])
-        for line in path.read_bytes().splitlines()
-    ]
+    records = [orjson.loads(line) for line in (ROOT / "data" / sample).read_bytes().splitlines()]
+    if train_type == "seq":
+        return [r["text"] for r in records]
+    keys = ["chosen", "rejected"] if train_type == "dpo" else ["messages"]
+    return [render_text(bundle, r[key]) for r in records for key in keys]
+
+
+def floor(texts: list[str], add_special_tokens: bool) -> tuple[float, int]:
+    """(seconds, tokens) of one `encode_batch` over all the texts."""
+    tokenizer = load_tokenizer(TOKENIZER).tokenizer
     start = time.perf_counter()
-    encodings = bundle.tokenizer.encode_batch(texts, add_special_tokens=False)
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
     seconds = time.perf_counter() - start
     return seconds, sum(len(e.ids) for e in encodings)
 
 
-def run(path: Path, out: Path, workers: int, engine: str = "local") -> tuple[float, int, int]:
+def run(
+    path: Path, out: Path, workers: int, engine: str = "local", train_type: str = "sft"
+) -> tuple[float, int, int]:
     """(seconds, records read, tokens written) of one end-to-end Pipeline run on `engine`."""
-    config = default_config("sft").model_dump(mode="json")
+    config = default_config(train_type).model_dump(mode="json")
     config["preprocessing"].update(max_seq_len=1_000_000, max_packed_len=1_000_000, min_chars=0)
     start = time.perf_counter()
     summary = Pipeline(
@@ -66,31 +85,42 @@ def run(path: Path, out: Path, workers: int, engine: str = "local") -> tuple[flo
     return time.perf_counter() - start, summary.records_read, summary.tokens
 
 
-def main(copies: int = 3, repeats: int = 3, workers: int | None = None) -> dict[str, float]:
+def main(
+    tokens: int = 10_000_000, repeats: int = 3, workers: int | None = None
+) -> dict[str, float]:
     workers = workers or os.cpu_count() or 1
+    figures: dict[str, float] = {}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = corpus(copies, Path(tmp))
-        floors, runs = [], []
-        for i in range(repeats):
-            seconds, tokens = floor(path)
-            floors.append(tokens / seconds)
-            seconds, _, written = run(path, Path(tmp) / f"out{i}", workers)
-            runs.append(written / seconds)
-    f, p = statistics.median(floors), statistics.median(runs)
-    print(
-        f"preprocessing, chat SFT ({copies}x1000 records, {workers} workers, median of {repeats})"
-    )
-    print(f"{'what':<34}{'tokens/s':>14}{'ratio':>8}")
-    print(f"{'floor: tokenizers encode_batch':<34}{f:>14,.0f}{1.0:>8.2f}")
-    print(f"{'tokenmill Pipeline (end to end)':<34}{p:>14,.0f}{p / f:>8.2f}")
-    return {"floor_tokens_per_s": f, "pipeline_tokens_per_s": p, "ratio": p / f}
+        for label, (train_type, sample) in TYPES.items():
+            one = texts(train_type, sample)
+            add_special = train_type == "seq"  # chat renderings carry their own special tokens
+            copies = math.ceil(tokens / floor(one, add_special)[1])
+            path = corpus(copies, Path(tmp), sample)
+            floors, runs, ratios = [], [], []
+            for i in range(repeats):
+                seconds, floor_tokens = floor(one * copies, add_special)
+                floors.append(floor_tokens / seconds)
+                seconds, _, written = run(path, Path(tmp) / f"out{i}", workers, "local", train_type)
+                runs.append(written / seconds)
+                ratios.append(runs[-1] / floors[-1])
+            f, p, r = statistics.median(floors), statistics.median(runs), statistics.median(ratios)
+            figures[f"{train_type}_floor_tokens_per_s"] = f
+            figures[f"{train_type}_pipeline_tokens_per_s"] = p
+            figures[f"{train_type}_ratio"] = r
+            rows.append((label, len(one) * copies, floor_tokens, f, p, r))
+    print(f"preprocessing end to end vs tokenizers encode_batch ({workers} workers, median of {repeats})")  # fmt: skip
+    print(f"{'type':<10}{'texts':>9}{'tokens':>13}{'floor tok/s':>14}{'pipeline tok/s':>16}{'ratio':>7}")  # fmt: skip
+    for label, n, count, f, p, r in rows:
+        print(f"{label:<10}{n:>9,}{count:>13,}{f:>14,.0f}{p:>16,.0f}{r:>7.2f}")
+    return figures
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--copies", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=10_000_000, help="tokens per type, at least")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
-    main(args.copies, args.repeats, args.workers)
+    main(args.tokens, args.repeats, args.workers)
     sys.exit(0)

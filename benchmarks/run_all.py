@@ -36,7 +36,7 @@ SCRIPTS = (
 )
 # Keyword arguments of each main() for --quick; a script whose main() takes `quick` gets quick=True.
 QUICK = {
-    "bench_preprocess": {"copies": 1, "repeats": 1},
+    "bench_preprocess": {"tokens": 1_000_000, "repeats": 1},
     "bench_packing": {"repeats": 1},
     "bench_ray": {"copies": 1, "repeats": 1},
 }

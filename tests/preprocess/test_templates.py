@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import ROOT
 
-from tokenmill.preprocess.chat_template import render_text
+from tokenmill.preprocess.chat_template import Renderer, render_text
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
 
@@ -370,3 +370,17 @@ def test_assistant_end_of_turn_trains_when_the_chat_ends_with_a_user_turn(family
         else "<|im_start|>assistant\nHello<|im_end|>\n"
     )
     assert _trained_runs(bundles[family], ids, mask) == [expected]
+
+
+def test_kept_probe_renderings_follow_their_context(bundles):
+    """Renderer.probe keeps marker renderings per process: one per message shape, tool schemas
+    and keyword arguments, never shared by values a template renders differently (0 is not
+    False to Qwen3's `enable_thinking is false`)."""
+    bundle = bundles["qwen3"]
+    marks = [{"role": "user", "content": "\ue0000\ue001"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for kwargs in [{}, {"enable_thinking": False}, {"enable_thinking": 0}]:
+        for schemas in [None, tools]:
+            for _ in range(2):  # rendered, then kept
+                probe = Renderer(bundle, schemas, kwargs).probe(marks, True)
+                assert probe == render_text(bundle, marks, True, schemas, **kwargs)

@@ -1,16 +1,17 @@
 """The chat template sandbox: a conversation rendered as the tokenizer's own template renders it.
 
 Same sandbox, helpers and variables as transformers' `apply_chat_template`, without
-importing transformers; templates are compiled once per process.
+importing transformers; templates are compiled once per process, and the marker renderings
+spans are read from are cached per process (`Renderer.probe`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Hashable
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import jinja2
@@ -18,8 +19,6 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.preprocess.tokenizer import TokenizerBundle
-
-Render = Callable[[list[dict], bool], str]  # messages, add_generation_prompt -> rendered text
 
 # Names a message's reasoning arrives under; templates read the first (or `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -178,3 +177,77 @@ def _context(
         "documents": None,
         "add_generation_prompt": add_generation_prompt,
     }
+
+
+class Renderer:
+    """Renders conversations in one context: the tokenizer's template, and the tool schemas and
+    keyword arguments transformers would pass (`render_text`)."""
+
+    def __init__(
+        self,
+        bundle: TokenizerBundle,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ):
+        self.bundle, self.tools, self.template_kwargs = bundle, tools, template_kwargs or {}
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return render_text(
+            self.bundle, messages, add_generation_prompt, self.tools, **self.template_kwargs
+        )
+
+    def probe(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """A rendering of marker contents: the same for every conversation of the same roles and
+        fields, so it is kept (bounded, per process) instead of rendered once per record."""
+        if self._context_key is None:
+            return self(messages, add_generation_prompt)
+        try:
+            key = (self._context_key, _frozen(messages), add_generation_prompt)
+        except TypeError:  # not JSON-like data: render it
+            return self(messages, add_generation_prompt)
+        text = _PROBES.get(key)
+        if text is None:
+            text = self(messages, add_generation_prompt)
+            if len(_PROBES) >= _PROBES_MAX:
+                del _PROBES[next(iter(_PROBES))]  # the oldest
+            _PROBES[key] = text
+        return text
+
+    @cached_property
+    def _context_key(self) -> Hashable | None:
+        """What the template sees besides the messages; None where renderings cannot be kept
+        (a template that reads the clock, tool schemas that are not JSON-like)."""
+        template = self.bundle.chat_template or ""
+        if "strftime_now" in template:
+            return None
+        try:
+            frozen = (_frozen(self.tools), _frozen(self.template_kwargs))
+        except TypeError:
+            return None
+        return (template, self.bundle.special_tokens, frozen)
+
+
+_PROBES: dict[Hashable, str] = {}
+_PROBES_MAX = 4096
+
+
+def _frozen(value: Any) -> Hashable:
+    """A hashable copy of JSON-like data, equal only where a template renders alike: types and
+    key order kept (1, 1.0 and True render differently; floats by repr, so 0.0 is not -0.0);
+    TypeError for anything else."""
+    kind = type(value)
+    if kind is str:  # most of it: keys, roles, markers
+        return value
+    if kind is dict:
+        items = tuple(value.items())
+        for k, v in items:
+            if type(k) is not str or type(v) is not str:
+                return (dict, tuple((_frozen(k), _frozen(v)) for k, v in items))
+        return (dict, items)  # strings only (a message): already its frozen form
+    if kind is list or kind is tuple:
+        return (kind, tuple(map(_frozen, value)))
+    if kind is float:
+        return (float, repr(value))
+    if kind is int or kind is bool or value is None:
+        return (kind, value)
+    raise TypeError(f"{kind.__name__} is not JSON-like")

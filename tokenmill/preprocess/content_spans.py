@@ -7,13 +7,15 @@ the end of the previous content and its end-of-turn to the end of its own."""
 from __future__ import annotations
 
 import re
-from functools import cache
+from bisect import bisect_left, bisect_right
+from functools import cache, cached_property
 from itertools import pairwise
+from operator import itemgetter
 
 import numpy as np
 import tokenizers
 
-from tokenmill.preprocess.chat_template import Render
+from tokenmill.preprocess.chat_template import Renderer
 from tokenmill.preprocess.tokenizer import TokenizerBundle
 
 # Stands in for an empty content so its place in the rendering can be found.
@@ -21,14 +23,13 @@ _EMPTY_MARK = "\ue000{}\ue001"
 
 
 def content_starts(
-    render: Render,
+    render: Renderer,
     bundle: TokenizerBundle,
     messages: list[dict],
     actions: list[bool],
     text: str,
     prompt_start: int,
-    first_char: np.ndarray,
-    control: tuple[np.ndarray, np.ndarray],
+    offsets: TokenOffsets,
     add_generation_prompt: bool,
 ) -> list[int]:
     """Where each message's span starts, from where its content sits in the rendering: located
@@ -36,13 +37,13 @@ def content_starts(
     glue = _marker_glue(render, messages, add_generation_prompt)
     located = _locate_by_glue(text, messages, glue) if glue else None
     if located is None:  # the template shapes its text around the content: search for it
-        found = _locate_contents(text, messages, prompt_start, control)
+        found = _locate_contents(text, messages, prompt_start, offsets.control)
         located = _place_empty_contents(render, messages, text, found, add_generation_prompt)
     tails = _role_tails(render, messages, actions, glue) if glue else None
-    span_starts = _span_starts(text, located, prompt_start, first_char, tails)
-    span_starts[0] = _first_header_start(text, messages, located, span_starts, first_char)
+    span_starts = _span_starts(text, located, prompt_start, offsets, tails)
+    span_starts[0] = _first_header_start(text, messages, located, span_starts, offsets)
     if span_starts[0] == 0 and glue:
-        span_starts[0] = _probe_first_header(render, messages, glue, text, prompt_start, first_char)
+        span_starts[0] = _probe_first_header(render, messages, glue, text, prompt_start, offsets)
     return span_starts
 
 
@@ -53,6 +54,53 @@ def _visible_forms(content: str) -> list[str]:
         forms.append(content.split("</think>")[-1].lstrip("\n"))
     forms.append(content.lstrip("\n"))
     return list(dict.fromkeys(forms))
+
+
+class TokenOffsets:
+    """Where an encoding's tokens start and end in its text. One position is found by binary
+    search through the encoding (token starts never decrease); every token's, as arrays, only
+    where a path needs them all: reading `encoding.offsets` costs more than the masking."""
+
+    def __init__(self, encoding: tokenizers.Encoding, ids: np.ndarray, table: np.ndarray):
+        self.encoding, self.ids, self.table = encoding, ids, table
+        self._tokens = range(len(ids))
+
+    def _start(self, token: int) -> int:
+        chars = self.encoding.token_to_chars(token)
+        assert chars is not None  # one sequence: every token has its characters
+        return chars[0]
+
+    def count_before(self, at: int) -> int:
+        """How many tokens start before character `at`."""
+        return bisect_left(self._tokens, at, key=self._start)
+
+    def start_at(self, at: int) -> int:
+        """Where the last token that starts at or before `at` starts; -1 if none does."""
+        token = bisect_right(self._tokens, at, key=self._start) - 1
+        return self._start(token) if token >= 0 else -1
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        return self._column(0)
+
+    @cached_property
+    def ends(self) -> np.ndarray:
+        return self._column(1)
+
+    @cached_property
+    def is_control(self) -> np.ndarray:
+        """Which tokens are added tokens (template control text)."""
+        ids, table = self.ids, self.table
+        return table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
+
+    @property
+    def control(self) -> tuple[np.ndarray, np.ndarray]:
+        """(start, end) of the control tokens."""
+        return self.starts[self.is_control], self.ends[self.is_control]
+
+    def _column(self, k: int) -> np.ndarray:
+        pairs = self.encoding.offsets
+        return np.fromiter(map(itemgetter(k), pairs), dtype=np.int64, count=len(pairs))
 
 
 @cache
@@ -150,7 +198,7 @@ def _find(
 
 
 def _place_empty_contents(
-    render: Render,
+    render: Renderer,
     messages: list[dict],
     text: str,
     found: list[tuple[int, int] | None],
@@ -176,7 +224,7 @@ def _place_empty_contents(
 
 
 def _marker_places(
-    render: Render,
+    render: Renderer,
     messages: list[dict],
     text: str,
     pending: list[int],
@@ -208,7 +256,7 @@ def _span_starts(
     text: str,
     located: list[tuple[int, int]],
     limit: int,
-    token_starts: np.ndarray,
+    offsets: TokenOffsets,
     tails: list[str] | None = None,
 ) -> list[int]:
     """Where each message's span starts: after the previous content and its end-of-turn.
@@ -222,12 +270,21 @@ def _span_starts(
     for k, ((_, end), (next_start, _)) in enumerate(pairwise(located)):
         gap = text[end:next_start]
         tail = tails[k] if tails is not None else last_tail
-        shared = 0
-        while shared < min(len(gap), len(tail)) and gap[shared] == tail[shared]:
-            shared += 1
-        token = int(np.searchsorted(token_starts, end + shared, side="right")) - 1
-        starts.append(max(end, int(token_starts[token])) if token >= 0 else end + shared)
+        shared = _shared_prefix(gap, tail)
+        token_start = offsets.start_at(end + shared)
+        starts.append(max(end, token_start) if token_start >= 0 else end + shared)
     return starts
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """Length of the common start of `a` and `b` (mostly all of `b`: a gap opens with the
+    end-of-turn)."""
+    if a.startswith(b):
+        return len(b)
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    return shared
 
 
 def _first_header_start(
@@ -235,7 +292,7 @@ def _first_header_start(
     messages: list[dict],
     located: list[tuple[int, int]],
     starts: list[int],
-    token_starts: np.ndarray,
+    offsets: TokenOffsets,
 ) -> int:
     """Where message 0's header starts, so the preamble before it (a default system prompt) stays masked.
 
@@ -248,8 +305,8 @@ def _first_header_start(
         header = text[starts[k] : located[k][0]]
         if messages[k].get("role") == role and header and text[:content_start].endswith(header):
             at = content_start - len(header)
-            token = int(np.searchsorted(token_starts, at, side="right")) - 1
-            return int(token_starts[token]) if token >= 0 else at
+            token_start = offsets.start_at(at)
+            return token_start if token_start >= 0 else at
     return 0
 
 
@@ -257,7 +314,7 @@ CONTENT_MARK = "\ue000{}\ue001"  # private-use characters: never template text
 
 
 def _marker_glue(
-    render: Render, messages: list[dict], add_generation_prompt: bool
+    render: Renderer, messages: list[dict], add_generation_prompt: bool
 ) -> list[str] | None:
     """The template's own text around the contents: rendered once with a marker for each content.
 
@@ -266,9 +323,8 @@ def _marker_glue(
     """
     marks = [CONTENT_MARK.format(k) for k in range(len(messages))]
     try:
-        probe = render(
-            [{**m, "content": marks[k]} for k, m in enumerate(messages)],
-            add_generation_prompt,
+        probe = render.probe(
+            [{**m, "content": marks[k]} for k, m in enumerate(messages)], add_generation_prompt
         )
     except Exception:  # a template may refuse marker content; the search path still works
         return None
@@ -291,50 +347,54 @@ def _locate_by_glue(
     pos, located = len(glue[0]), []
     for k, message in enumerate(messages):
         content = message.get("content")
-        forms = _visible_forms(content) if isinstance(content, str) else [""]
-        for form in forms:
-            if text.startswith(form, pos) and text.startswith(glue[k + 1], pos + len(form)):
-                break
-        else:
-            return None
+        form = content if isinstance(content, str) else ""
+        after = glue[k + 1]
+        if not _shows(text, pos, form, after):  # most templates show the content as it is
+            found = (f for f in _visible_forms(form)[1:] if _shows(text, pos, f, after))
+            other = next(found, None)
+            if other is None:
+                return None
+            form = other
         located.append((pos, pos + len(form)))
         pos += len(form) + len(glue[k + 1])
     return located if pos == len(text) else None
 
 
+def _shows(text: str, pos: int, form: str, after: str) -> bool:
+    """Whether `text` has `form` at `pos`, then `after`."""
+    return text.startswith(form, pos) and text.startswith(after, pos + len(form))
+
+
 def _probe_first_header(
-    render: Render,
+    render: Renderer,
     messages: list[dict],
     glue: list[str],
     text: str,
     limit: int,
-    token_starts: np.ndarray,
+    offsets: TokenOffsets,
 ) -> int:
     """Message 0's header, learned by rendering message 0 twice (its end-of-turn + header then sit
     between the two copies); 0 when the template refuses that or the header is not found."""
     marks = [CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
     doubled = [messages[0], *messages]
     try:
-        probe = render([{**m, "content": marks[k]} for k, m in enumerate(doubled)], False)
+        probe = render.probe([{**m, "content": marks[k]} for k, m in enumerate(doubled)], False)
     except Exception:
         return 0
     pieces = re.split("(\ue000\\d+\ue001)", probe)
     if pieces[1::2] != marks:
         return 0
     between, tail = pieces[2], pieces[-1]
-    shared = 0
-    while shared < min(len(between), len(tail)) and between[shared] == tail[shared]:
-        shared += 1
-    header = between[shared:]
+    header = between[_shared_prefix(between, tail) :]
     if not header or not glue[0].endswith(header) or len(glue[0]) > limit:
         return 0
     at = len(glue[0]) - len(header)
-    token = int(np.searchsorted(token_starts, at, side="right")) - 1
-    return int(token_starts[token]) if token >= 0 else at
+    token_start = offsets.start_at(at)
+    return token_start if token_start >= 0 else at
 
 
 def _role_tails(
-    render: Render, messages: list[dict], actions: list[bool], glue: list[str]
+    render: Renderer, messages: list[dict], actions: list[bool], glue: list[str]
 ) -> list[str] | None:
     """The end-of-turn text of each message's role, where it differs from the last message's.
 
@@ -351,7 +411,7 @@ def _role_tails(
         marks = [CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
         probe_messages = [*messages, {"role": role, "content": ""}]
         try:
-            probe = render(
+            probe = render.probe(
                 [{**m, "content": marks[k]} for k, m in enumerate(probe_messages)], False
             )
         except Exception:  # the template refuses that shape: keep the last message's tail

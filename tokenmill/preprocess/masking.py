@@ -9,6 +9,7 @@ field, and every token rendered or cut is tallied for the ledger.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import jinja2
@@ -187,8 +188,9 @@ class RecordMasker(OutputLayout):
 
     def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
         """Each section rendered; chat sections that follow one another are one conversation
-        (a TRL prompt and its reply), rendered once."""
+        (a TRL prompt and its reply), rendered once, when no later section continues it."""
         parts: list[Part] = []
+        chat: Part | None = None  # the open conversation: its messages, not rendered yet
         standard = is_standard(record, self.config)  # TRL's text (non-conversational) format
         for section in sections:
             data = record.data
@@ -197,21 +199,40 @@ class RecordMasker(OutputLayout):
             value = get_field(record, section.field)
             if section.template and standard:
                 section = as_text(section)
-            if section.template and parts and parts[-1].messages is not None:
-                parts[-1] = self._continue_chat(record, parts[-1], section, value, tally)
+            if section.template and chat is not None:
+                chat = self._continue_chat(record, chat, section, value, tally)
+                continue
+            if chat is not None:
+                parts.append(self._rendered(record, chat, tally))
+                chat = None
+            if section.template:
+                chat = self._chat(record, section, section.field, value, not parts, tally)
             else:
                 parts.append(self._one(record, section, section.field, value, not parts, tally))
+        if chat is not None:
+            parts.append(self._rendered(record, chat, tally))
         if not parts:
             raise RecordError(
                 record.source, record.line, sections[0].field, "missing field", "missing_field"
             )
         return parts
 
+    def _chat(
+        self, record: Record, section: Section, field: str, value: Any, first: bool, tally: Tally
+    ) -> Part:
+        """A chat section's messages and actions, not rendered yet (no ids)."""
+        messages = check_messages(record, field, value, self.roles)
+        actions = self._actions(section, messages)
+        tally.chars += sum(len(m["content"] or "") for m in messages)
+        empty = np.empty(0, dtype=np.int32)
+        return Part(section, field, first, empty, empty.astype(bool), messages, actions)
+
     def _continue_chat(
         self, record: Record, part: Part, section: Section, value: Any, tally: Tally
     ) -> Part:
-        """The conversation of `part` continued by this chat section's messages. Messages
-        that repeat the conversation so far (a reply given with its prompt) are not doubled."""
+        """The conversation of `part` continued by this chat section's messages, not rendered
+        yet. Messages that repeat the conversation so far (a reply given with its prompt) are
+        not doubled."""
         messages = check_messages(record, section.field, value, self.roles)
         actions = self._actions(section, messages)
         before = part.messages or []
@@ -219,9 +240,14 @@ class RecordMasker(OutputLayout):
             messages, actions = messages[len(before) :], actions[len(before) :]
         tally.chars += sum(len(m["content"] or "") for m in messages)
         messages, actions = before + messages, (part.actions or []) + actions
-        ids, mask = self._render(record, section, part.field, messages, actions, part.first)
-        tally.tokens += len(ids) - len(part.ids)
-        return Part(section, part.field, part.first, ids, mask, messages, actions)
+        return Part(section, part.field, part.first, part.ids, part.mask, messages, actions)
+
+    def _rendered(self, record: Record, part: Part, tally: Tally) -> Part:
+        """A chat part with its tokens and mask: one rendering of all its messages."""
+        messages, actions = part.messages or [], part.actions or []
+        ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
+        tally.tokens += len(ids)
+        return replace(part, ids=ids, mask=mask)
 
     def _actions(self, section: Section, messages: list[dict]) -> list[bool]:
         if section.action == "$role":
@@ -239,12 +265,9 @@ class RecordMasker(OutputLayout):
     ) -> Part:
         """Tokens and mask of one section value (a chat or a text)."""
         if section.template:
-            messages = check_messages(record, field, value, self.roles)
-            actions = self._actions(section, messages)
-            tally.chars += sum(len(m["content"] or "") for m in messages)
-            ids, mask = self._render(record, section, field, messages, actions, first)
-            tally.tokens += len(ids)
-            return Part(section, field, first, ids, mask, messages, actions)
+            return self._rendered(
+                record, self._chat(record, section, field, value, first, tally), tally
+            )
         if not isinstance(value, str):
             raise RecordError(
                 record.source,

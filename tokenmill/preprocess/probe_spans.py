@@ -12,18 +12,16 @@ import re
 
 import numpy as np
 
-from tokenmill.preprocess.chat_template import Render
-from tokenmill.preprocess.content_spans import CONTENT_MARK
+from tokenmill.preprocess.chat_template import Renderer
+from tokenmill.preprocess.content_spans import CONTENT_MARK, TokenOffsets
 
 
 def prefix_starts(
-    render: Render,
+    render: Renderer,
     messages: list[dict],
     text: str,
     first: int,
-    token_starts: np.ndarray,
-    token_ends: np.ndarray,
-    control: np.ndarray,
+    offsets: TokenOffsets,
     opener: str | None,
 ) -> list[int]:
     """Where messages 1..n-1 start: where the rendering of the messages before each one stops
@@ -35,6 +33,7 @@ def prefix_starts(
     The messages before k are rendered followed by a user and by an assistant message (so
     message k-1 is not the last one: templates render a last turn differently); the two
     renderings part where message k's header would start."""
+    token_starts, token_ends, control = offsets.starts, offsets.ends, offsets.is_control
     starts, previous = [], first
     for k in range(1, len(messages)):
         mark = CONTENT_MARK.format(k)
@@ -71,12 +70,12 @@ def _snap(at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np
     return at
 
 
-def header_opener(render: Render) -> str | None:
+def header_opener(render: Renderer) -> str | None:
     """The text that opens every header (`<|im_start|>`), from two one-message renderings:
     what they share before their roles part, back to where the last line or token began."""
     try:
-        user = render([{"role": "user", "content": "\ue000"}], False)
-        assistant = render([{"role": "assistant", "content": "\ue000"}], False)
+        user = render.probe([{"role": "user", "content": "\ue000"}], False)
+        assistant = render.probe([{"role": "assistant", "content": "\ue000"}], False)
     except Exception:
         return None
     shared = os.path.commonprefix([user, assistant])

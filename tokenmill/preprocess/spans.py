@@ -8,14 +8,13 @@ each chat section of a record.
 
 from __future__ import annotations
 
-from functools import partial
-from itertools import chain
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chat_template import Render, render_generation_spans, render_text
-from tokenmill.preprocess.content_spans import added_table, content_starts
+from tokenmill.preprocess.chat_template import Renderer, render_generation_spans
+from tokenmill.preprocess.content_spans import TokenOffsets, added_table, content_starts
 from tokenmill.preprocess.probe_spans import header_opener, prefix_starts
 from tokenmill.preprocess.tokenizer import TokenizerBundle
 
@@ -49,7 +48,7 @@ def render_conversation(
         return _with_bos(bundle, ids, mask)
     if len(actions) != len(messages):
         raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
-    render: Render = partial(render_text, bundle, tools=tools, **(template_kwargs or {}))
+    render = Renderer(bundle, tools, template_kwargs)
     text = render(messages, add_generation_prompt)
     prompt_start = len(text)  # where the generation prompt begins
     if add_generation_prompt:
@@ -58,20 +57,11 @@ def render_conversation(
             prompt_start = len(closed)
     encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
     ids = np.asarray(encoding.ids, dtype=np.int32)
-    pairs = encoding.offsets
-    offsets = np.fromiter(chain.from_iterable(pairs), dtype=np.int64, count=2 * len(pairs)).reshape(
-        -1, 2
-    )
-    first_char = offsets[:, 0]
-    table = added_table(bundle.tokenizer)
-    is_control = table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
-    control = (first_char[is_control], offsets[is_control, 1])
+    offsets = TokenOffsets(encoding, ids, added_table(bundle.tokenizer))
     tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
     opener = header_opener(render) if tooling else None
     if opener:  # tool calls and results: each message's span is what it adds to the rendering
-        later = prefix_starts(
-            render, messages, text, 0, first_char, offsets[:, 1], is_control, opener
-        )
+        later = prefix_starts(render, messages, text, 0, offsets, opener)
         # message 0 starts at its header: the preamble before it (a default system prompt,
         # the tools block) is never trained
         head = text.rfind(opener, 0, later[0] if later else prompt_start)
@@ -79,7 +69,7 @@ def render_conversation(
     else:
         try:
             span_starts = content_starts(
-                render, bundle, messages, actions, text, prompt_start, first_char, control,
+                render, bundle, messages, actions, text, prompt_start, offsets,
                 add_generation_prompt,
             )  # fmt: skip
         except ValueError:
@@ -87,14 +77,26 @@ def render_conversation(
                 raise
             span_starts = [0] * len(messages)  # message 0 owns the preamble: never trained
         if tooling:  # no header opening to find (DeepSeek): the prefix probes alone
-            span_starts[1:] = prefix_starts(
-                render, messages, text, span_starts[0], first_char, offsets[:, 1], is_control,
-                None,
-            )  # fmt: skip
-    starts = np.asarray([0, *span_starts])  # span 0: the template's preamble, never trained
-    owner = np.searchsorted(starts, first_char, side="right") - 1
-    mask = np.asarray([False, *actions], dtype=bool)[owner] & (first_char < prompt_start)
-    return _with_bos(bundle, ids, mask)
+            span_starts[1:] = prefix_starts(render, messages, text, span_starts[0], offsets, None)
+    return _with_bos(bundle, ids, _span_mask(offsets, span_starts, actions, prompt_start))
+
+
+def _span_mask(
+    offsets: TokenOffsets, span_starts: list[int], actions: list[bool], prompt_start: int
+) -> np.ndarray:
+    """Each token takes the action of the span holding its first character (span 0, the
+    template's preamble, never trains); the generation prompt never trains. Spans in order
+    are token ranges, found by binary search; otherwise every token is looked up."""
+    starts = [0, *span_starts]
+    if any(a > b for a, b in pairwise(starts)):
+        owner = np.searchsorted(starts, offsets.starts, side="right") - 1
+        return np.asarray([False, *actions], dtype=bool)[owner] & (offsets.starts < prompt_start)
+    mask = np.zeros(len(offsets.ids), dtype=bool)
+    bounds = [*map(offsets.count_before, span_starts), len(mask)]
+    for trains, first, end in zip(actions, bounds, bounds[1:]):
+        mask[first:end] = trains
+    mask[offsets.count_before(prompt_start) :] = False
+    return mask
 
 
 def _with_bos(

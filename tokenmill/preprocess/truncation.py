@@ -35,6 +35,8 @@ class Part:
 
 
 def join(parts: list[Part]) -> tuple[np.ndarray, np.ndarray]:
+    if len(parts) == 1:  # most records: nothing to copy
+        return parts[0].ids.astype(np.int32, copy=False), parts[0].mask.astype(bool, copy=False)
     ids = np.concatenate([p.ids for p in parts]).astype(np.int32, copy=False)
     return ids, np.concatenate([p.mask for p in parts]).astype(bool, copy=False)
 
