@@ -384,3 +384,58 @@ def test_kept_probe_renderings_follow_their_context(bundles):
             for _ in range(2):  # rendered, then kept
                 probe = Renderer(bundle, schemas, kwargs).probe(marks, True)
                 assert probe == render_text(bundle, marks, True, schemas, **kwargs)
+
+
+HOSTILE = (
+    "{% if messages[0].content == 'spin' %}"
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{% elif messages[0].content == 'huge' %}{{ 'a' * 10**10 }}"
+    "{% elif messages[0].content == 'power' %}{{ 7 ** 1000000000000 }}"
+    "{% elif messages[0].content == 'wide' %}{% for i in range(10**9) %}{% endfor %}"
+    "{% elif messages[0].content == 'deep' %}"
+    "{% macro down(n) %}{{ down(n + 1) }}{% endmacro %}{{ down(0) }}"
+    "{% else %}"
+)
+
+
+def test_templates_that_loop_or_allocate_without_bound_are_counted_bad_records(
+    tmp_path, monkeypatch
+):
+    """Each hostile record is a named template_error the run skips and counts; the good
+    records around them are written as usual."""
+    from tokenmill.preprocess import chat_template
+    from tokenmill.preprocess.config import PipelineConfig
+    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.presets import default_config
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
+    folder = tmp_path / "hostile"
+    shutil.copytree(ROOT / "data" / "tokenizers" / "qwen2.5", folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = HOSTILE + config["chat_template"] + "{% endif %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    kinds = ["spin", "huge", "power", "wide", "deep"]
+    records = [
+        {"messages": [{"role": "user", "content": c}, {"role": "assistant", "content": "ok"}]}
+        for c in ["hello there", *kinds, "goodbye now"]
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    data = default_config("sft").model_dump(mode="json")
+    data["preprocessing"]["min_chars"] = 0
+    summary = Pipeline(
+        PipelineConfig.from_dict(data),
+        [src],
+        tmp_path / "out",
+        folder,
+        workers=1,
+        on_error="skip",
+        progress=False,
+    ).run()
+    assert summary.records_written == 2
+    assert summary.skipped == {"template_error": len(kinds)}
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").open()]
+    assert [r["line"] for r in rejects] == [2, 3, 4, 5, 6]
+    said = " ".join(r["message"] for r in rejects)
+    for reason in ("longer than 0.5 s", "over the budget", "Range too big", "recursion"):
+        assert reason in said, (reason, said)

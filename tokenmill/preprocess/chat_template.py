@@ -7,8 +7,12 @@ spans are read from are cached per process (`Renderer.probe`).
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import re
+import threading
+import time
 from collections.abc import Hashable
 from datetime import datetime
 from functools import cache, cached_property
@@ -84,9 +88,105 @@ class _GenerationBlocks(jinja2.ext.Extension):
         return text
 
 
+# Budgets of one rendering: a template that loops or allocates without bound is a bad record
+# (template_error), not a hung or crashed run.
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 64_000_000
+
+
+class TemplateBudget(jinja2.exceptions.TemplateError):
+    """A rendering went past its time or size budget."""
+
+
+class _BudgetedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with `*` and `**` checked before they build a value past the size budget
+    (`'a' * 10**10` would allocate 10 GB before any other check could run)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
+                    if len(seq) * times > RENDER_CHARS:
+                        raise TemplateBudget(
+                            f"the template builds a value of {len(seq) * times:,} items, over "
+                            f"the budget of {RENDER_CHARS:,}"
+                        )
+        if operator == "**" and isinstance(left, int) and isinstance(right, int):
+            if right > 0 and abs(left) > 1 and abs(left).bit_length() * right > 8 * RENDER_CHARS:
+                raise TemplateBudget(f"the template computes {left} ** {right}, over the budget")
+        return super().call_binop(context, operator, left, right)
+
+
+class _Watchdog:
+    """One thread per process that stops a rendering past its deadline: it raises
+    TemplateBudget in the rendering thread (an asynchronous exception, delivered between
+    bytecodes), which a loop with no output would otherwise never give a chance to check."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.watched: tuple[int, float, object] | None = None  # (thread, deadline, token)
+        self.fired: object | None = None
+        self.pid = os.getpid()
+        threading.Thread(target=self._run, daemon=True, name="tokenmill-render-watchdog").start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.05)
+            with self.lock:
+                if self.watched and time.monotonic() > self.watched[1]:
+                    thread, _, token = self.watched
+                    self.fired, self.watched = token, None
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(thread), ctypes.py_object(TemplateBudget)
+                    )
+
+    def watch(self, seconds: float) -> object:
+        token = object()
+        with self.lock:
+            self.watched = (threading.get_ident(), time.monotonic() + seconds, token)
+        return token
+
+    def release(self, token: object) -> None:
+        with self.lock:
+            if self.watched and self.watched[2] is token:
+                self.watched = None
+            if self.fired is token:  # fired, maybe not yet delivered: take it back
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(threading.get_ident()), None
+                )
+                self.fired = None
+
+
+_WATCHDOG: _Watchdog | None = None
+
+
+def _rendered(template: jinja2.Template, context: dict[str, Any], pieces: list[str]) -> str:
+    """The template's output, piece by piece, within the time and size budgets."""
+    global _WATCHDOG
+    if _WATCHDOG is None or _WATCHDOG.pid != os.getpid():  # a forked child has no thread
+        _WATCHDOG = _Watchdog()
+    token = _WATCHDOG.watch(RENDER_SECONDS)
+    size = 0
+    try:
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > RENDER_CHARS:
+                raise TemplateBudget(f"the rendering passed {RENDER_CHARS:,} characters")
+            pieces.append(piece)
+    except TemplateBudget as err:
+        if err.message is None:  # raised by the watchdog, which cannot say why
+            raise TemplateBudget(f"the rendering took longer than {RENDER_SECONDS:g} s") from None
+        raise
+    finally:
+        _WATCHDOG.release(token)
+    return "".join(pieces)
+
+
 @cache
 def _compile(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _BudgetedSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationBlocks],
@@ -133,11 +233,10 @@ def render_generation_spans(
     context = _context(bundle, messages, add_generation_prompt, tools, template_kwargs)
     _TRACKING = (pieces, spans)
     try:
-        for piece in _compile(bundle.chat_template or "").generate(**context):
-            pieces.append(piece)
+        text = _rendered(_compile(bundle.chat_template or ""), context, pieces)
     finally:
         _TRACKING = None
-    return "".join(pieces), spans
+    return text, spans
 
 
 def render_text(
@@ -149,9 +248,8 @@ def render_text(
 ) -> str:
     """The conversation exactly as the tokenizer's own chat template renders it, with the
     tool schemas and keyword arguments (`enable_thinking`, ...) transformers would pass."""
-    return _compile(bundle.chat_template or "").render(
-        **_context(bundle, messages, add_generation_prompt, tools, template_kwargs)
-    )
+    context = _context(bundle, messages, add_generation_prompt, tools, template_kwargs)
+    return _rendered(_compile(bundle.chat_template or ""), context, [])
 
 
 def _context(

@@ -322,7 +322,9 @@ class RecordMasker(OutputLayout):
             KeyError,
             AttributeError,
             IndexError,
-            jinja2.TemplateError,
+            OverflowError,  # the sandbox's range() limit
+            RecursionError,  # a macro that calls itself
+            jinja2.TemplateError,  # raise_exception(), the budgets (TemplateBudget)
         ) as err:
             # raise_exception() in a template, or a template tripping over odd message fields
             raise RecordError(
