@@ -252,6 +252,8 @@ CASES: list[Case] = [
          (ERR, "wrong_type", "dpo.jsonl:1", "chosen"), level="pipeline", train_type="dpo"),
     Case("dpo_rejected_empty", "dpo.jsonl", _line({"prompt": PROMPT, "chosen": CHOSEN, "rejected": []}),
          (ERR, "empty", "dpo.jsonl:1", "rejected"), level="pipeline", train_type="dpo"),
+    Case("dpo_identical_pair", "dpo.jsonl", _line({"prompt": PROMPT, "chosen": CHOSEN, "rejected": CHOSEN}),
+         (ERR, "identical_pair", "dpo.jsonl:1", "rejected"), level="pipeline", train_type="dpo"),
     Case("grpo_empty_responses", "grpo.jsonl", _line({"prompt": PROMPT, "responses": [], "rewards": []}),
          (ERR, "empty", "grpo.jsonl:1", "responses"), level="pipeline", train_type="grpo"),
     Case("grpo_rewards_length_mismatch", "grpo.jsonl",

@@ -15,7 +15,7 @@ from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import PACKING_STRATEGIES
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import Record
+from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.tokenizer import load_tokenizer
 from tokenmill.shards.format import row_tokens
 from tokenmill.training.factory import StoreFactory
@@ -96,6 +96,9 @@ def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) ->
             continue  # dropped as too long before it is tokenized
         try:
             out = whole.process(record)
+        except RecordError as err:  # identical pairs are read whole, then dropped
+            total += err.tokens if err.reason == "identical_pair" else 0
+            continue
         except ValueError:
             continue
         for key in whole.token_keys():

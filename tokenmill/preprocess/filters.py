@@ -1,4 +1,5 @@
-"""Filters: the valid records a config excludes (too short, too long, nothing to train).
+"""Filters: the valid records a config excludes (too short, too long, nothing to train, a
+preference pair whose two sides are the same tokens).
 
 A filtered record is dropped and counted by reason under any `--on-error`; only a
 malformed record is an error. The length filter runs twice: on the raw characters before
@@ -11,7 +12,7 @@ from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.records import Record, RecordError
 
 # Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
-FILTER_REASONS = ("too_short", "too_long", "no_trained_tokens")
+FILTER_REASONS = ("too_short", "too_long", "no_trained_tokens", "identical_pair")
 
 
 def raw_chars(record: Record, config: PipelineConfig) -> int:

@@ -14,7 +14,8 @@ from typing import Any
 # Why tokens leave the flow. truncated and packing_overflow cut tokens from records that are
 # still written (their `records` count the records cut); the others drop whole records.
 DROP_REASONS = (
-    "truncated", "too_short", "too_long", "no_trained_tokens", "packing_overflow", "bad_record",
+    "truncated", "too_short", "too_long", "no_trained_tokens", "identical_pair",
+    "packing_overflow", "bad_record",
 )  # fmt: skip
 CUTS = ("truncated", "packing_overflow")
 

@@ -184,6 +184,14 @@ class RecordMasker(OutputLayout):
                     )
         if untrained is not None:
             raise untrained
+        if "chosen" in out and "rejected" in out and np.array_equal(out["chosen"], out["rejected"]):
+            raise RecordError(
+                record.source,
+                record.line,
+                "rejected",
+                "chosen and rejected are the same tokens: the pair teaches nothing",
+                "identical_pair",
+            )
         return out
 
     def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
