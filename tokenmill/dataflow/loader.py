@@ -50,15 +50,17 @@ def run_roles(
     """Yield (batch, position, counters) for this worker's groups of the rank's sequence.
 
     With a fixed group size the worker reads only its own groups' indices; otherwise (packing)
-    every worker runs the rank's whole sequence and collates only its own groups. `position`
-    is the distributor state before the batcher's pending samples plus the batcher state:
-    loading both continues the sequence right after this batch."""
+    every worker plans the rank's whole sequence (from stored lengths, or by reading it) and
+    reads and collates only its own groups. Groups of windows are yielded as read
+    (WindowBatch), for the training side to collate. `position` is the distributor state
+    before the batcher's pending samples plus the batcher state: loading both continues the
+    sequence right after this batch."""
     block = batcher.group_size
     indices = distributor.indices(dp_rank, dp_world_size)
     if block:
         indices = worker_share(indices, worker_id, num_workers, block)
     windows = reads_windows(distributor, processor)
-    if block and windows:
+    if block and windows and type(batcher) is SimpleBatcher:
         # groups of windows: one read per group, handed over as int32 (WindowBatch)
         while group := list(islice(indices, block)):
             position = {"distributor": distributor.state_dict(), "batcher": batcher.state_dict()}
