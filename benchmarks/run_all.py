@@ -33,6 +33,7 @@ SCRIPTS = (
     "bench_loader",
     "bench_memory",
     "bench_ray",
+    "bench_remote",
 )
 # Keyword arguments of each main() for --quick; a script whose main() takes `quick` gets quick=True.
 QUICK = {

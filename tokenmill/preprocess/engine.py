@@ -2,7 +2,9 @@
 
 The pipeline talks to one interface: `session()` holds what the run needs (Ray: a
 connection), `results()` yields each chunk's `ChunkResult` in chunk order, and `writer()`
-gives a domain's shard writer. `LocalEngine` uses a process pool on this machine;
+gives a domain's shard writer (for output to a bucket, `bucket` is the run's BucketOutput:
+the Ray engine's write tasks upload their shards themselves; the local engine's shards are
+uploaded by the BucketOutput as they are published). `LocalEngine` uses a process pool on this machine;
 `RayEngine` (ray_engine.py) a Ray cluster, with the same chunks, cut and bytes.
 """
 
@@ -43,7 +45,7 @@ class Engine(Protocol):
 
     def writer(
         self, domain_dir: Path, dtypes: dict[str, str], primary_key: str,
-        max_tokens_per_shard: int, storage_format: str, first_index: int,
+        max_tokens_per_shard: int, storage_format: str, first_index: int, bucket: Any = None,
     ) -> Any: ...  # fmt: skip
 
 
@@ -122,6 +124,7 @@ class LocalEngine:
         max_tokens_per_shard: int,
         storage_format: str,
         first_index: int,
+        bucket: Any = None,
     ) -> ShardWriter:
         return ShardWriter(
             domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format, first_index

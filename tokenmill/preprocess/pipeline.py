@@ -4,12 +4,15 @@ The orchestration stage. Records are cut into fixed chunks of `batch_size` in
 input order (file, then line); workers process chunks, and the writer consumes
 results strictly in chunk order, so the bytes written do not depend on the
 number of workers. Under `on_error="raise"` a bad record stops the run and the
-shards it published are removed: no manifest, nothing that looks complete.
+shards it published are removed: no manifest, nothing that looks complete. An output URL
+(`s3://bucket/prefix`, any fsspec filesystem) is staged locally and uploaded shard by shard,
+manifest last (upload.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import sys
 import time
@@ -35,14 +38,21 @@ from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import ON_ERROR, RecordError
 from tokenmill.preprocess.runlog import Journal, ResumeState, Summary
 from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.preprocess.upload import BucketOutput
 from tokenmill.shards.files import write_atomic
 from tokenmill.shards.format import RUN_DIR, natural_key
 from tokenmill.shards.manifest import read_manifest, write_manifest
+from tokenmill.shards.remote import is_url
 from tokenmill.shards.writer import ShardWriter
 
 
 class Pipeline:
-    """Preprocess `inputs` into `output_dir` as `config` says."""
+    """Preprocess `inputs` into `output_dir` as `config` says.
+
+    `output_dir` may be a URL (`s3://bucket/prefix`, `gs://...`, any fsspec filesystem): the
+    run is staged in `staging_dir` (default: a folder in the system temp folder) and each
+    shard uploaded as it is published, `manifest.json` last; `storage_options` go to fsspec
+    (such as `{"endpoint_url": ...}` for an S3-compatible store)."""
 
     def __init__(
         self,
@@ -56,6 +66,8 @@ class Pipeline:
         overwrite: bool = False,
         progress: bool | None = None,
         ray_address: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        staging_dir: str | Path | None = None,
     ):
         if not isinstance(config, PipelineConfig):
             config = PipelineConfig.from_file(config)
@@ -63,8 +75,20 @@ class Pipeline:
             raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
         self.config = config
         self.inputs = input_list(inputs)
-        # absolute: Ray workers and tools run from other folders than the one the run started in
-        self.output_dir = Path(output_dir).absolute()
+        self.bucket: BucketOutput | None = None
+        self.output_dir: Path | str
+        if is_url(output_dir):
+            self.bucket = BucketOutput(str(output_dir), storage_options, staging_dir)
+            self.output_dir = self.bucket.url
+            self._out = self.bucket.local  # staging: shards are written here, then uploaded
+        else:
+            if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/[^/]", str(output_dir)):
+                raise ValueError(
+                    f"output {str(output_dir)!r} looks like a URL that lost a slash (a Path "
+                    "merges //); pass the URL as a string"
+                )
+            # absolute: Ray workers and tools run from other folders than the one the run started in
+            self.output_dir = self._out = Path(output_dir).absolute()
         self.tokenizer_path = str(Path(tokenizer_path).absolute())
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -86,7 +110,9 @@ class Pipeline:
                 "save it (Dataset.save_to_disk(DIR) or to_parquet) and pass that"
             )
         for file in files:  # the output folder is removed on a bad record or --overwrite
-            if isinstance(file, Path) and self.output_dir in (file, *file.parents):
+            if (isinstance(file, Path) and self._out in (file, *file.parents)) or (
+                isinstance(file, str) and f"{file}/".startswith(f"{self.output_dir}/")
+            ):
                 raise ValueError(
                     f"{self.output_dir} contains the input {file}; write the output elsewhere"
                 )
@@ -97,8 +123,11 @@ class Pipeline:
         done = self._prepare_output(run_id, inputs)
         if done is not None:
             return done
-        journal = Journal(self.output_dir, run_id, inputs)
-        state = journal.resume(self.output_dir, masker.primary_key())
+        journal = Journal(self._out, run_id, inputs)
+        published = self.bucket.published if self.bucket is not None else None
+        state = journal.resume(self._out, masker.primary_key(), published)
+        if self.bucket is not None:
+            self.bucket.start()
         summary, rejects = state.summary, state.rejects
         with self._engine.session():
             domains = self._write(files, masker, journal, state)
@@ -108,11 +137,12 @@ class Pipeline:
             raise RuntimeError(f"{self.output_dir}: the ledger does not balance: {unbalanced}")
         summary.seconds = time.perf_counter() - start
         if rejects:
-            write_atomic(self.output_dir / "rejects.jsonl", b"".join(rejects))
+            write_atomic(self._out / "rejects.jsonl", b"".join(rejects))
         write_manifest(
-            self.output_dir,
-            self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id),
+            self._out, self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id)
         )
+        if self.bucket is not None:
+            self.bucket.commit()  # manifest.json uploaded last: the commit point
         journal.remove()
         return summary
 
@@ -129,13 +159,19 @@ class Pipeline:
             with contextlib.closing(self._results(files, state.chunks_done)) as results:
                 for result in results:
                     self._consume(result, masker, writers, state, bar, journal)
-            return {d: w.close() for d, w in writers.items()}
+            domains = {d: w.close() for d, w in writers.items()}
+            if self.bucket is not None:
+                for d, w in writers.items():
+                    self.bucket.watch(d, w)
+            return domains
         except BaseException as err:
             for w in writers.values():
                 w.abort()
             if isinstance(err, RecordError):  # bad input: remove everything, nothing looks complete
                 self._remove_published(writers)
                 journal.remove()
+            if self.bucket is not None:
+                self.bucket.abort(remove=isinstance(err, RecordError))
             raise
         finally:
             if bar is not None:
@@ -194,6 +230,8 @@ class Pipeline:
             if domain not in writers:
                 writers[domain] = self._writer(domain, masker, 0)
             writers[domain].add(row)
+            if self.bucket is not None:
+                self.bucket.watch(domain, writers[domain])
         if bar is not None:
             bar.update(result.records_read)
             rate = summary.tokens / max(bar.format_dict["elapsed"], 1e-9)
@@ -201,11 +239,11 @@ class Pipeline:
 
     def _writer(self, domain: str, masker: RecordMasker, first_index: int) -> Any:
         """The domain's shard writer, from the engine (same cut on every engine)."""
-        domain_dir = self.output_dir / domain if domain else self.output_dir
+        domain_dir = self._out / domain if domain else self._out
         out = self.config.output
         return self._engine.writer(
             domain_dir, masker.dtypes(), masker.primary_key(), out.max_tokens_per_shard,
-            out.storage_format, first_index,
+            out.storage_format, first_index, bucket=self.bucket,
         )  # fmt: skip
 
     # --- output folder -----------------------------------------------------------------------
@@ -218,7 +256,9 @@ class Pipeline:
 
     def _prepare_output(self, run_id: str, inputs: list[list]) -> Summary | None:
         """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""
-        out = self.output_dir
+        if self.bucket is not None:
+            return self.bucket.prepare(run_id, inputs, self.overwrite)
+        out = self._out
         if self.overwrite and out.exists() and any(out.iterdir()):
             if read_manifest(out) is None and not (out / RUN_DIR).is_dir():
                 raise FileExistsError(
@@ -245,7 +285,7 @@ class Pipeline:
 
     def _remove_published(self, writers: dict[str, ShardWriter]) -> None:
         for domain in writers:
-            domain_dir = self.output_dir / domain if domain else self.output_dir
+            domain_dir = self._out / domain if domain else self._out
             for shard in domain_dir.glob("shard_*"):
                 shutil.rmtree(shard, ignore_errors=True)
             for part in domain_dir.glob("part_*.jsonl"):

@@ -7,7 +7,9 @@ Used by `Pipeline(engine="ray")` in place of the local process pool:
    `process_chunk`, the local engine's own function; the rows stay in the object store and
    only each chunk's counts reach the driver, in chunk order;
 3. write (Ray tasks): the driver cuts shards with the local writer's rule and a task per shard
-   gathers its rows and writes it; the driver renames finished shards into place in order.
+   gathers its rows and writes it; the driver renames finished shards into place in order
+   (output to a bucket: the task uploads its shard, meta.json last, after the driver has
+   uploaded the journal lines that account for its rows).
 Same chunks, same code, same cut: the output equals the local engine's byte for byte.
 """
 
@@ -36,7 +38,7 @@ from tokenmill.preprocess.plans import (
     scan_file,
     work_units,
 )
-from tokenmill.preprocess.ray_writer import RayShardWriter, RowRef
+from tokenmill.preprocess.ray_writer import RayShardWriter, RowRef, Upload
 from tokenmill.preprocess.tokenizer import load_tokenizer
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
@@ -289,8 +291,14 @@ class RayEngine:
         max_tokens_per_shard: int,
         storage_format: str,
         first_index: int,
+        bucket: Any = None,
     ) -> RayShardWriter:
+        upload = None
+        if bucket is not None:  # the write tasks upload; the driver first uploads the journal
+            domain = domain_dir.relative_to(bucket.local).as_posix()
+            upload = Upload(bucket.remote, bucket.rel("" if domain == "." else domain))
         return RayShardWriter(
             self.ray, domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format,
-            first_index=first_index,
+            first_index=first_index, upload=upload,
+            before_upload=bucket.sync_journal if bucket is not None else None,
         )  # fmt: skip

@@ -2,12 +2,15 @@
 
 The driver cuts shards with the local writer's rule (`ShardCutter`); a Ray task per shard
 gathers its rows from the blocks and stages the shard with the local `ShardWriter`; the
-driver renames finished shards into place in index order."""
+driver renames finished shards into place in index order. For output to a bucket (`Upload`),
+the task uploads its shard itself (arrays first, meta.json last) and the data never passes
+through the driver, which needs no filesystem shared with the workers."""
 
 from __future__ import annotations
 
 import collections
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -15,7 +18,16 @@ from typing import Any
 
 from tokenmill.shards.files import publish
 from tokenmill.shards.format import TMP_MARK, shard_name
+from tokenmill.shards.remote import Remote
 from tokenmill.shards.writer import ShardCutter, ShardWriter
+
+
+@dataclass
+class Upload:
+    """Where a domain's shards go in a bucket: the dataset's Remote and the domain's folder."""
+
+    remote: Remote
+    domain: str  # "" for the dataset's root
 
 
 @dataclass
@@ -35,10 +47,12 @@ def write_rows(
     dtypes: dict[str, str],
     primary_key: str,
     storage_format: str,
+    upload: Upload | None,
     *blocks: Any,
-) -> tuple[str, dict]:
+) -> tuple[str | None, dict]:
     """A Ray task: gathers shard `index`'s rows from the blocks that hold them and stages it
-    with the local ShardWriter (temp place, fsynced, checksummed); the driver publishes it."""
+    with the local ShardWriter (temp place, fsynced, checksummed); the driver publishes it.
+    With `upload`, the task uploads the staged shard (meta.json last) and removes it."""
     from ray.data.block import BlockAccessor
 
     chunks = [BlockAccessor.for_block(b).to_numpy("rows") for b in blocks]
@@ -46,7 +60,14 @@ def write_rows(
     for b, row, item in where:
         writer.add(chunks[b][row].rows[item])
     tmp, info = writer.stage()
-    return str(tmp), info
+    if upload is None:
+        return str(tmp), info
+    try:
+        rel = f"{upload.domain}/{info['name']}" if upload.domain else info["name"]
+        upload.remote.upload_shard(tmp, rel)
+    finally:
+        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    return None, info
 
 
 _NO_CUT = 1 << 62  # a write task stages exactly the rows it is given: the driver made the cut
@@ -67,6 +88,8 @@ class RayShardWriter:
         storage_format: str = "bin",
         first_index: int = 0,
         in_flight: int = 4,
+        upload: Upload | None = None,
+        before_upload: Callable[[], None] | None = None,
     ):
         self.ray, self.domain_dir, self.dtypes = ray, Path(domain_dir), dtypes
         self.primary_key, self.storage_format = primary_key, storage_format
@@ -76,6 +99,8 @@ class RayShardWriter:
         self.pending: collections.deque = collections.deque()  # (name, future of write_rows)
         self.written: list[str] = []  # names this writer wrote, whose stray temps it removes
         self.published: list[dict] = []
+        self.upload, self.before_upload = upload, before_upload
+        self.uploads = upload is not None  # BucketOutput leaves this writer's shards alone
         self.task = ray.remote(num_cpus=0.25, max_retries=3)(write_rows)
 
     def add(self, row: RowRef) -> None:
@@ -95,6 +120,8 @@ class RayShardWriter:
         name = shard_name(self.index, self.storage_format)
         blocks: dict[Any, int] = {}
         where = [(blocks.setdefault(r.block, len(blocks)), r.row, r.item) for r in self.rows]
+        if self.before_upload is not None:
+            self.before_upload()  # the journal lines of these rows reach the bucket first
         future = self.task.remote(
             str(self.domain_dir),
             self.index,
@@ -102,6 +129,7 @@ class RayShardWriter:
             self.dtypes,
             self.primary_key,
             self.storage_format,
+            self.upload,
             *blocks,
         )
         self.pending.append((name, future))
@@ -120,7 +148,8 @@ class RayShardWriter:
             tmp, info = self.ray.get(future)
         except self.ray.exceptions.RayTaskError as err:
             raise err.as_instanceof_cause() from None
-        publish(Path(tmp), self.domain_dir / name)
+        if tmp is not None:  # None: uploaded to the bucket by the task
+            publish(Path(tmp), self.domain_dir / name)
         self.published.append(info)
 
     def close(self) -> list[dict]:

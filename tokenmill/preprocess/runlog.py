@@ -10,6 +10,7 @@ run reuses complete shards and ends byte-identical to a clean run.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,32 +170,42 @@ class Journal:
         self._file.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def resume(self, output_dir: Path, primary: str) -> ResumeState:
-        """State to continue from: chunks fully on disk, their counts, rows of the next chunk to skip."""
+    def resume(
+        self,
+        output_dir: Path,
+        primary: str,
+        published: Callable[[str, str], list[dict]] | None = None,
+    ) -> ResumeState:
+        """State to continue from: chunks fully on disk, their counts, rows of the next chunk
+        to skip. `published(domain, primary)` gives a domain's published shard infos (default:
+        the shards in its folder below output_dir; a bucket's for output to object storage)."""
         entries = self._entries()
         state = ResumeState()
         if not entries:
             return state
         domains = sorted({d for e in entries for d in e["rows"]})
+        root = Path(output_dir)
         on_disk = {
-            d: published_shards(Path(output_dir) / d if d else Path(output_dir), primary)
+            d: published(d, primary)
+            if published is not None
+            else published_shards(root / d if d else root, primary)
             for d in domains
         }
-        published = {d: sum(info["records"] for info in infos) for d, infos in on_disk.items()}
+        rows = {d: sum(info["records"] for info in infos) for d, infos in on_disk.items()}
         cum = dict.fromkeys(domains, 0)
         done = 0
         for entry in entries:
             after = {d: cum[d] + entry["rows"].get(d, 0) for d in domains}
-            if any(after[d] > published[d] for d in domains):
+            if any(after[d] > rows[d] for d in domains):
                 break
             cum = after
             done += 1
             _replay(state, entry)
         state.chunks_done = done
         state.published = {d: infos for d, infos in on_disk.items() if infos}
-        state.skip_rows = {d: published[d] - cum[d] for d in domains if published[d] > cum[d]}
+        state.skip_rows = {d: rows[d] - cum[d] for d in domains if rows[d] > cum[d]}
         total = {d: sum(e["rows"].get(d, 0) for e in entries) for d in domains}
-        if any(published[d] > total[d] for d in domains):
+        if any(rows[d] > total[d] for d in domains):
             raise ValueError(
                 f"{output_dir}: shards hold more rows than the run journal knows; "
                 "cannot resume, pass --overwrite to start again"
@@ -232,28 +243,33 @@ def published_shards(domain_dir: Path, primary: str) -> list[dict]:
     for shard in find_shards(domain_dir):
         if shard.parent != domain_dir:
             continue
-        meta = read_meta(shard)
-        infos.append(
-            {
-                "name": shard.name,
-                "records": shard_records(meta),
-                "tokens": meta[primary]["shape"][0],
-                "keys": list(meta),
-                "meta_xxh64": checksum((shard / "meta.json").read_bytes()),
-            }
-        )
+        read_meta(shard)  # checked
+        infos.append(shard_info(shard.name, (shard / "meta.json").read_bytes(), primary))
     for part in sorted(domain_dir.glob("part_*.jsonl")):
-        data = part.read_bytes()
-        lines = data.splitlines()
-        tokens = sum(row_tokens(orjson.loads(line)[primary]) for line in lines)
-        infos.append(
-            {
-                "name": part.name,
-                "records": len(lines),
-                "tokens": tokens,
-                "keys": list(orjson.loads(lines[0])) if lines else [],
-                "nbytes": len(data),
-                "xxh64": checksum(data),
-            }
-        )
+        infos.append(part_info(part.name, part.read_bytes(), primary))
     return infos
+
+
+def shard_info(name: str, meta_bytes: bytes, primary: str) -> dict:
+    """A published shard's manifest entry, from its meta.json."""
+    meta = orjson.loads(meta_bytes)
+    return {
+        "name": name,
+        "records": shard_records(meta),
+        "tokens": meta[primary]["shape"][0],
+        "keys": list(meta),
+        "meta_xxh64": checksum(meta_bytes),
+    }
+
+
+def part_info(name: str, data: bytes, primary: str) -> dict:
+    """A published JSONL part's manifest entry, from its bytes."""
+    lines = data.splitlines()
+    return {
+        "name": name,
+        "records": len(lines),
+        "tokens": sum(row_tokens(orjson.loads(line)[primary]) for line in lines),
+        "keys": list(orjson.loads(lines[0])) if lines else [],
+        "nbytes": len(data),
+        "xxh64": checksum(data),
+    }

@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         help=".jsonl/.json(.gz/.zst)/.parquet files or folders, or URLs (s3://..., via fsspec)",
     )
-    p.add_argument("-o", "--output", required=True, help="output dataset folder")
+    p.add_argument(
+        "-o", "--output", required=True, help="output dataset folder, or a URL (s3://bucket/prefix)"
+    )
     p.add_argument("-c", "--config", help="PipelineConfig (.json or .yaml)")
     p.add_argument(
         "--type",
@@ -51,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-address", default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--json", action="store_true", help="print the run's summary as JSON")
+    p.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec storage option for a URL output (value read as JSON if it parses), "
+        "such as endpoint_url=http://minio:9000; repeat for more",
+    )
 
     v = sub.add_parser("verify", help="check every shard's sizes, offsets and checksums")
     v.add_argument("dataset")
@@ -156,6 +166,8 @@ def use_color(choice: str) -> bool:
 
 def output_folder(path: str) -> Path:
     """An output folder's path, refused at once when a file is in its place."""
+    if "://" in path:
+        raise ValueError(f"output {path}: this command writes a local folder, not a URL")
     out = Path(path)
     for folder in (out, *out.absolute().parents):
         if folder.exists() and not folder.is_dir():
@@ -174,22 +186,33 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     if bool(args.config) == bool(args.type):
         raise ValueError("give exactly one of --config and --type")
     config = PipelineConfig.from_file(args.config) if args.config else default_config(args.type)
+    options = {}
+    for option in args.storage_option:
+        key, sep, value = option.partition("=")
+        if not sep:
+            raise ValueError(f"--storage-option {option!r}: expected KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    url = "://" in args.output  # a bucket: kept as a string (a Path would merge its //)
     summary = Pipeline(
         config,
         args.inputs,
-        output_dir=output_folder(args.output),
+        output_dir=args.output if url else output_folder(args.output),
         tokenizer_path=args.tokenizer,
         workers=args.workers,
         on_error=args.on_error,
         engine=args.engine,
         overwrite=args.overwrite,
         ray_address=args.ray_address,
+        storage_options=options or None,
     ).run()
     print_result(summary.as_dict(), args.json, summary.format())
     if not summary.records_written:  # a run that leaves nothing to train on is not a success
         print(
             f"tokenmill preprocess: no record written: all {summary.records_read} dropped; "
-            f"see {Path(args.output) / 'rejects.jsonl'}",
+            f"see {args.output.rstrip('/')}/rejects.jsonl",
             file=sys.stderr,
         )
         return 1

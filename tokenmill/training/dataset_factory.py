@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.remote import is_url
 from tokenmill.training.datasets import (
     BaseDataset,
     DPODataset,
@@ -60,15 +61,28 @@ class DatasetFactory:
         max_len: int = 2048,
         store: Any = None,
         sample: str | None = None,
+        cache_dir: str | Path | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> BaseDataset:
         """Open `load_path` for `train_type`. Raw JSONL is tokenized eagerly for seq/sft and
         lazily (per fetched record) for dpo/grpo when `tokenizer_path` is given. A given
         `store` skips every path, format, tokenizer, window and stride step. `sample` (sft
-        only): row (default: whole conversations, packed), record or window."""
+        only): row (default: whole conversations, packed), record or window.
+
+        A URL (`s3://bucket/prefix`, any fsspec filesystem) is read through a local cache
+        shared by the machine's workers and ranks: `cache_dir` (default TOKENMILL_CACHE or
+        ~/.cache/tokenmill/shards), `cache_limit` ("20GB", or bytes; None: no limit, else
+        least recently used shards are evicted), `storage_options` for fsspec."""
         _dataset_class(train_type)
+        remote = {
+            "cache_dir": cache_dir,
+            "cache_limit": cache_limit,
+            "storage_options": storage_options,
+        }
         if store is None:
             store = _load_store(
-                train_type, load_path, window_size, stride, storage_type, tokenizer_path
+                train_type, load_path, window_size, stride, storage_type, tokenizer_path, remote
             )
         dataset = DatasetFactory.create(train_type, store, max_len=max_len, sample=sample)
         if tokenizer_path is not None:
@@ -83,8 +97,19 @@ def _load_store(
     stride: int | None,
     storage_type: str | None,
     tokenizer_path: str | Path | None,
+    remote: dict[str, Any],
 ) -> Any:
-
+    if is_url(load_path):
+        if storage_type not in (None, "bin"):
+            raise ValueError(
+                f"{load_path}: a dataset in object storage is read as bin shards, "
+                f"not {storage_type!r}"
+            )
+        store = StoreFactory.create("bin", window_size=window_size, stride=stride, **remote)
+        return store.load(str(load_path))
+    given = sorted(k for k, v in remote.items() if v is not None)
+    if given:
+        raise ValueError(f"{load_path}: {', '.join(given)} are for a dataset at a URL (s3://...)")
     if storage_type is None:
         storage_type = detect_format(load_path)
     store = StoreFactory.create(storage_type, window_size=window_size, stride=stride)

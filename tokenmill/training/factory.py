@@ -6,13 +6,17 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.format import is_tmp
+from tokenmill.shards.remote import is_url
 from tokenmill.training.jsonl_store import JsonlStore
 from tokenmill.training.mmap_store import MmapStore
 from tokenmill.training.store import Store
 
 
 def detect_format(path: str | Path) -> str:
-    """'bin' for a folder of shards, 'jsonl' for a .jsonl file or a folder of them."""
+    """'bin' for a folder of shards, 'jsonl' for a .jsonl file or a folder of them; a URL is
+    'bin' (object storage holds shard datasets, read through MmapStore's cache)."""
+    if is_url(path):
+        return "bin"
     path = Path(path)
     if path.is_file():
         if path.suffix == ".jsonl":
@@ -35,6 +39,12 @@ def detect_format(path: str | Path) -> str:
 
 # --- choosing a store by name ------------------------------------------------------------------
 STORE_OPTIONS = ("window_size", "stride")
+REMOTE_OPTIONS = (
+    "cache_dir",
+    "cache_limit",
+    "storage_options",
+    "prefetch",
+)  # MmapStore's, for URLs
 
 
 STORES: dict[str, type[Store]] = {"bin": MmapStore, "jsonl": JsonlStore}
@@ -50,9 +60,15 @@ class StoreFactory:
         classes = STORES
         if storage_type not in classes:
             raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(classes)}")
-        unknown = sorted(set(options) - set(STORE_OPTIONS))
+        valid = STORE_OPTIONS + (REMOTE_OPTIONS if storage_type == "bin" else ())
+        unknown = sorted(set(options) - set(valid))
         if unknown:
-            raise TypeError(
-                f"StoreFactory.create: unknown keyword(s) {unknown}; valid: {list(STORE_OPTIONS)}"
+            more = (
+                f" (and for a dataset at a URL: {list(REMOTE_OPTIONS)})"
+                if storage_type == "bin"
+                else ""
             )
-        return classes[storage_type](window_size=window_size, stride=stride)
+            raise TypeError(
+                f"StoreFactory.create: unknown keyword(s) {unknown}; valid: {list(STORE_OPTIONS)}{more}"
+            )
+        return classes[storage_type](window_size=window_size, stride=stride, **options)

@@ -66,7 +66,7 @@ class _KeyValues:
         self.store, self.key = store, key
 
     def __getitem__(self, s: int) -> np.ndarray:
-        return self.store._columns(s)[self.key].values
+        return self.store._key_values(s, self.key)
 
 
 class Store:
@@ -141,6 +141,16 @@ class Store:
         while len(self._opened) > self.max_open_shards:
             self._opened.popitem(last=False)
         return columns
+
+    def _key_values(self, s: int, key: str) -> np.ndarray:
+        """View s's values of one key. A store that can open one key of a view alone (a
+        remote one: one file to download, not the shard) overrides this and `_key_bounds`;
+        reads across views and index-time scans (`gather`, `record_lengths`) go through them."""
+        return self._columns(s)[key].values
+
+    def _key_bounds(self, s: int, key: str) -> Column:
+        """View s's column of one key, for its offsets and items (its values may be empty)."""
+        return self._columns(s)[key]
 
     def _loaded(self) -> list[ShardView]:
         if self._views is None:
@@ -326,7 +336,7 @@ class Store:
         """Elements of `key` in each record (all items of a list key), from offsets alone."""
         views = []
         for s, view in enumerate(self._loaded()):
-            col = self._columns(s)[self._key(key)]
+            col = self._key_bounds(s, self._key(key))
             if col.offsets is None:
                 raise ValueError(f"{view.name}: key {key!r} has no record offsets")
             bounds = np.asarray(
