@@ -66,7 +66,21 @@ def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
     return problems
 
 
-def _verify_shard(shard: Path, rel: str, meta: dict) -> list[str]:
+INTEGRITY = ("sizes", "structure", "full")  # what a store checks of a shard, cheapest first
+
+
+def check_shard(shard: Path, rel: str, meta: dict, level: str) -> list[str]:
+    """The problems a store's integrity level finds in one shard when it first opens it:
+    sizes (nothing more here: the store stats every file at load), structure (offsets, items
+    and document lengths read whole: O(records)), full (every checksum too: O(bytes))."""
+    if level not in INTEGRITY:
+        raise ValueError(f"integrity must be one of {list(INTEGRITY)}, got {level!r}")
+    if level == "sizes":
+        return []
+    return _verify_shard(shard, rel, meta, checksums=level == "full")
+
+
+def _verify_shard(shard: Path, rel: str, meta: dict, checksums: bool = True) -> list[str]:
     problems = []
     for key, entry in meta.items():
         path, dtype = shard / f"{key}.bin", DTYPES[entry["dtype"]]
@@ -79,14 +93,16 @@ def _verify_shard(shard: Path, rel: str, meta: dict) -> list[str]:
                 f"{where}: {path.stat().st_size} bytes, expected {expected} "
                 f"(shape {entry['shape']} of {entry['dtype']}): truncated or overwritten"
             )
-        elif "xxh64" in entry and file_checksum(path) != entry["xxh64"]:
+        elif checksums and "xxh64" in entry and file_checksum(path) != entry["xxh64"]:
             problems.append(f"{where}: xxh64 checksum mismatch: the data is corrupted")
         length = entry["shape"][0]
         if "items" in entry:
-            problems += _verify_bounds(shard, rel, key, "items", entry["items"], length)
+            problems += _verify_bounds(shard, rel, key, "items", entry["items"], length, checksums)
             length = bounds_count(entry["items"]) - 1
         if "offsets" in entry:
-            problems += _verify_bounds(shard, rel, key, "offsets", entry["offsets"], length)
+            problems += _verify_bounds(
+                shard, rel, key, "offsets", entry["offsets"], length, checksums
+            )
     if not problems and "doc_lengths" in meta and "sequence" in meta:
         problems += _verify_documents(shard, rel, meta)
     return problems
@@ -117,7 +133,7 @@ def _verify_documents(shard: Path, rel: str, meta: dict) -> list[str]:
 
 
 def _verify_bounds(
-    shard: Path, rel: str, key: str, part: str, bounds: list | dict, last: int
+    shard: Path, rel: str, key: str, part: str, bounds: list | dict, last: int, checksums: bool
 ) -> list[str]:
     """Checks one offsets/items array: size, checksum, range, order, first and last value."""
     if isinstance(bounds, list):
@@ -133,7 +149,7 @@ def _verify_bounds(
             return [
                 f"{where}: {path.stat().st_size} bytes, expected {expected} (count {bounds['count']})"
             ]
-        if "xxh64" in bounds and file_checksum(path) != bounds["xxh64"]:
+        if checksums and "xxh64" in bounds and file_checksum(path) != bounds["xxh64"]:
             return [f"{where}: xxh64 checksum mismatch: the {part} are corrupted"]
         values = map_array(path, "int64", bounds["count"], key)
     if len(values) == 0:

@@ -64,6 +64,7 @@ class DatasetFactory:
         cache_dir: str | Path | None = None,
         cache_limit: int | str | None = None,
         storage_options: dict[str, Any] | None = None,
+        integrity: str = "sizes",
     ) -> BaseDataset:
         """Open `load_path` for `train_type`. Raw JSONL is tokenized eagerly for seq/sft and
         lazily (per fetched record) for dpo/grpo when `tokenizer_path` is given. A given
@@ -73,7 +74,11 @@ class DatasetFactory:
         A URL (`s3://bucket/prefix`, any fsspec filesystem) is read through a local cache
         shared by the machine's workers and ranks: `cache_dir` (default TOKENMILL_CACHE or
         ~/.cache/tokenmill/shards), `cache_limit` ("20GB", or bytes; None: no limit, else
-        least recently used shards are evicted), `storage_options` for fsspec."""
+        least recently used shards are evicted), `storage_options` for fsspec.
+
+        `integrity` (shards): what is checked of each shard at its first read, beyond the
+        file sizes checked at load: "sizes" (nothing more), "structure" (offsets, items and
+        document lengths, O(records)) or "full" (every checksum too, O(bytes))."""
         _dataset_class(train_type)
         remote = {
             "cache_dir": cache_dir,
@@ -82,8 +87,9 @@ class DatasetFactory:
         }
         if store is None:
             store = _load_store(
-                train_type, load_path, window_size, stride, storage_type, tokenizer_path, remote
-            )
+                train_type, load_path, window_size, stride, storage_type, tokenizer_path, remote,
+                integrity,
+            )  # fmt: skip
         dataset = DatasetFactory.create(train_type, store, max_len=max_len, sample=sample)
         if tokenizer_path is not None:
             _warn_other_tokenizer(dataset, load_path, tokenizer_path)
@@ -98,6 +104,7 @@ def _load_store(
     storage_type: str | None,
     tokenizer_path: str | Path | None,
     remote: dict[str, Any],
+    integrity: str = "sizes",
 ) -> Any:
     if is_url(load_path):
         if storage_type not in (None, "bin"):
@@ -105,14 +112,21 @@ def _load_store(
                 f"{load_path}: a dataset in object storage is read as bin shards, "
                 f"not {storage_type!r}"
             )
-        store = StoreFactory.create("bin", window_size=window_size, stride=stride, **remote)
+        store = StoreFactory.create(
+            "bin", window_size=window_size, stride=stride, integrity=integrity, **remote
+        )
         return store.load(str(load_path))
     given = sorted(k for k, v in remote.items() if v is not None)
     if given:
         raise ValueError(f"{load_path}: {', '.join(given)} are for a dataset at a URL (s3://...)")
     if storage_type is None:
         storage_type = detect_format(load_path)
-    store = StoreFactory.create(storage_type, window_size=window_size, stride=stride)
+    shard_options = {"integrity": integrity} if storage_type == "bin" else {}
+    if integrity != "sizes" and not shard_options:
+        raise ValueError(f"{load_path}: integrity= is for bin shards, not {storage_type!r}")
+    store = StoreFactory.create(
+        storage_type, window_size=window_size, stride=stride, **shard_options
+    )
     written = Path(load_path).is_dir() and read_manifest(Path(load_path)) is not None
     if storage_type != "jsonl" or written:  # shards, or JSONL the pipeline already tokenized
         store.load(load_path)

@@ -39,6 +39,7 @@ def detect_format(path: str | Path) -> str:
 
 # --- choosing a store by name ------------------------------------------------------------------
 STORE_OPTIONS = ("window_size", "stride")
+SHARD_OPTIONS = ("integrity",)  # MmapStore's: what it checks of a shard at first read
 REMOTE_OPTIONS = (
     "cache_dir",
     "cache_limit",
@@ -60,11 +61,11 @@ class StoreFactory:
         classes = STORES
         if storage_type not in classes:
             raise ValueError(f"unknown storage type {storage_type!r}; valid: {sorted(classes)}")
-        valid = STORE_OPTIONS + (REMOTE_OPTIONS if storage_type == "bin" else ())
+        valid = STORE_OPTIONS + (SHARD_OPTIONS + REMOTE_OPTIONS if storage_type == "bin" else ())
         unknown = sorted(set(options) - set(valid))
         if unknown:
             more = (
-                f" (and for a dataset at a URL: {list(REMOTE_OPTIONS)})"
+                f" (and {list(SHARD_OPTIONS)}; for a dataset at a URL: {list(REMOTE_OPTIONS)})"
                 if storage_type == "bin"
                 else ""
             )

@@ -34,13 +34,26 @@ from tokenmill.shards.format import (
 from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import check_sizes, find_shards, map_shard, read_meta
 from tokenmill.shards.remote import Remote, is_url, parse_size
-from tokenmill.shards.verify import verify_dataset
+from tokenmill.shards.verify import INTEGRITY, check_shard, verify_dataset
 from tokenmill.training.cache import ShardCache, shard_files
 from tokenmill.training.prefetch import Prefetcher
 from tokenmill.training.store import ShardView, Store, Transform
 
 READ_AHEAD = 2  # shards fetched after the one opened, while reads go through shards in order
 _STARTING = threading.Lock()
+
+
+def open_checked(shard: Path, rel: str, meta: dict, level: str) -> dict[str, Column]:
+    """A shard mapped on its first read, after the store's integrity level's checks: a shard
+    found corrupt raises here, naming the shard, the check and what it found."""
+    problems = check_shard(shard, rel, meta, level)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(
+            f"{rel}: corrupt, found by the integrity={level!r} check at its first read: "
+            f"{problems[0]}{more}; run `tokenmill verify`"
+        )
+    return map_shard(shard, meta)
 
 
 # --- shards on disk ---------------------------------------------------------------------------
@@ -60,8 +73,12 @@ class MmapStore(Store):
         cache_limit: int | str | None = None,
         storage_options: dict[str, Any] | None = None,
         prefetch: int = 4,
+        integrity: str = "sizes",
     ):
         super().__init__(window_size, stride)
+        if integrity not in INTEGRITY:
+            raise ValueError(f"integrity must be one of {list(INTEGRITY)}, got {integrity!r}")
+        self.integrity = integrity
         self.cache_dir, self.cache_limit = cache_dir, parse_size(cache_limit)
         self.storage_options, self.prefetch = storage_options, prefetch
         self.cache: ShardCache | None = None
@@ -184,7 +201,7 @@ class MmapStore(Store):
             check_sizes(self.root / rel, meta)
             sizes = {k: int(e["shape"][0]) for k, e in meta.items()}
             dtypes = {k: DTYPES[e["dtype"]] for k, e in meta.items()}
-            opener = partial(map_shard, self.root / rel, meta)
+            opener = partial(open_checked, self.root / rel, rel, meta, self.integrity)
             views.append(ShardView(rel, shard_records(meta), sizes, dtypes, open=opener))
         self._set_views(views)
 
