@@ -509,3 +509,28 @@ def test_pool_workers_exit_when_their_parent_is_killed(tmp_path):
     for pid in alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"workers {alive} outlived their parent"
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_live_output_is_refused_naming_it_and_a_dead_runs_lock_is_taken_over(
+    tmp_path,
+):
+    src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 1000)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tokenmill", "preprocess", str(src), "-o", str(out), "--type",
+           "sft", "--tokenizer", str(QWEN), "--workers", "1"]  # fmt: skip
+    lock = tmp_path / ".out.tokenmill-lock"
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not (lock.exists() and lock.read_text()) and time.time() < deadline:
+        time.sleep(0.01)
+    try:
+        with pytest.raises(
+            FileExistsError, match=rf"another run is writing this output \(pid {first.pid} on "
+        ):
+            Pipeline(config("sft"), [src], out, QWEN, workers=1).run()
+    finally:
+        os.kill(first.pid, signal.SIGKILL)  # as the OOM killer would: no clean-up
+        first.wait()
+    summary = Pipeline(config("sft"), [src], out, QWEN, workers=1).run()  # takes the lock over
+    assert summary.records_read == 1000 and verify_dataset(out) == []

@@ -36,7 +36,7 @@ from tokenmill.preprocess.inputs import (
 )
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import ON_ERROR, RecordError
-from tokenmill.preprocess.runlog import Journal, ResumeState, Summary
+from tokenmill.preprocess.runlog import Journal, ResumeState, Summary, output_lock
 from tokenmill.preprocess.tokenizer import load_tokenizer
 from tokenmill.preprocess.upload import BucketOutput
 from tokenmill.shards.files import write_atomic
@@ -102,6 +102,11 @@ class Pipeline:
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> Summary:
+        """The whole run, holding the output's lock: one run writes an output at a time."""
+        with output_lock(self._out):
+            return self._run()
+
+    def _run(self) -> Summary:
         start = time.perf_counter()
         files = list_inputs(self.inputs)
         if self.engine == "ray" and any(isinstance(f, DatasetInput) for f in files):

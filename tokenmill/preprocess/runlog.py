@@ -9,8 +9,13 @@ run reuses complete shards and ends byte-identical to a clean run.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import fcntl
+import os
 import shutil
-from collections.abc import Callable
+import socket
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -273,3 +278,29 @@ def part_info(name: str, data: bytes, primary: str) -> dict:
         "nbytes": len(data),
         "xxh64": checksum(data),
     }
+
+
+@contextlib.contextmanager
+def output_lock(output_dir: Path) -> Iterator[None]:
+    """Held for a whole run, beside the output (`.NAME.tokenmill-lock`): a second run of the same
+    output is refused, naming the live run that holds it (pid, host, start); the kernel drops
+    the lock when that run dies, however it dies, so a dead run's lock is simply taken over."""
+    path = output_dir.parent / f".{output_dir.name}.tokenmill-lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a starting run"
+            raise FileExistsError(
+                f"{output_dir}: another run is writing this output ({holder}); wait for it to "
+                "finish or stop it, then run again"
+            ) from None
+        started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        holder = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock; the file stays, so no two runs lock different files
