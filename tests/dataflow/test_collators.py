@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from tokenmill.dataflow.collators import (
@@ -294,3 +297,32 @@ def test_packed_collator_takes_document_starts_from_stored_boundaries():
     assert batch["cu_seqlens"].tolist() == [0, 2, 5, 8]
     assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]]
     assert batch["max_seqlen"] == 3 and batch["num_tokens"] == 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    width=st.integers(1, 9),
+    seed=st.integers(0, 10**6),
+    pad=st.sampled_from([None, 0, 5]),
+    positions=st.booleans(),
+)
+def test_packing_stacked_windows_equals_packing_the_items(rows, width, seed, pad, positions):
+    """collate_stacked (the loader's path for windows) gives what collate gives the items."""
+    rng = np.random.default_rng(seed)
+    stacked = {
+        "input_ids": torch.from_numpy(rng.integers(0, 50, (rows, width))),
+        "target_ids": torch.from_numpy(rng.integers(0, 50, (rows, width))),
+        "loss_mask": torch.from_numpy(rng.random((rows, width)) < 0.5),
+    }
+    if positions:  # documents restart inside windows
+        restarts = rng.random((rows, width)) < 0.3
+        stacked["position_ids"] = torch.from_numpy(
+            np.asarray([[0 if r else 1 for r in row] for row in restarts]).cumsum(1) * ~restarts
+        )
+    collator = PackedCollator(pad_to=None if pad is None else rows * width + pad)
+    items = [{k: v[j] for k, v in stacked.items()} for j in range(rows)]
+    expected, got = collator.collate(items), collator.collate_stacked(stacked)
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value)), key

@@ -224,7 +224,26 @@ class PackedCollator(BatchCollator):
                 breaks = torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1
                 starts.extend((breaks + offset).tolist())
             offset += len(s["input_ids"])
-        num_tokens = offset
+        keys = ["input_ids", "target_ids", *(["loss_mask"] if "loss_mask" in samples[0] else [])]
+        flat = {key: torch.cat([s[key] for s in samples]) for key in keys}
+        return self._packed(starts, offset, flat)
+
+    def collate_stacked(self, stacked: dict[str, torch.Tensor]) -> dict:
+        """What `collate` makes of the rows of [B, W] samples of one length (windows, as the
+        loader hands them over), without a Python step per sample."""
+        rows, width = stacked["input_ids"].shape
+        starts = np.arange(rows, dtype=np.int64) * width
+        if "position_ids" in stacked and width:
+            positions = stacked["position_ids"].numpy()
+            row, col = np.nonzero(positions[:, 1:] != positions[:, :-1] + 1)
+            starts = np.sort(np.concatenate([starts, row * width + col + 1]))
+        keys = [k for k in ("input_ids", "target_ids", "loss_mask") if k in stacked]
+        return self._packed(
+            starts.tolist(), rows * width, {k: stacked[k].reshape(-1) for k in keys}
+        )
+
+    def _packed(self, starts: list[int], num_tokens: int, flat: dict[str, torch.Tensor]) -> dict:
+        """The batch from document starts and the samples' keys concatenated, padded to pad_to."""
         if self.pad_to is not None and num_tokens > self.pad_to:
             raise ValueError(
                 f"PackedCollator: group has {num_tokens} tokens, over pad_to={self.pad_to}; "
@@ -232,7 +251,7 @@ class PackedCollator(BatchCollator):
             )
         total = num_tokens if self.pad_to is None else self.pad_to
         if total > num_tokens:
-            starts.append(num_tokens)
+            starts = [*starts, num_tokens]
         bounds = np.asarray([*starts, total], dtype=np.int64)
         cu_seqlens = torch.from_numpy(bounds.astype(np.int32))
         # numpy, not torch: torch's intra-op threads make these small ops slow on a busy core
@@ -241,19 +260,18 @@ class PackedCollator(BatchCollator):
         )
         pad = total - num_tokens
         batch = {
-            "input_ids": self._cat(samples, "input_ids", self.pad_id, pad),
-            "target_ids": self._cat(samples, "target_ids", self.label_pad_id, pad),
+            "input_ids": self._pad(flat["input_ids"], self.pad_id, pad),
+            "target_ids": self._pad(flat["target_ids"], self.label_pad_id, pad),
             "position_ids": position_ids.unsqueeze(0),
             "cu_seqlens": cu_seqlens,
             "max_seqlen": int(np.diff(bounds).max()) if len(bounds) > 1 else 0,
             "num_tokens": num_tokens,
         }
-        if "loss_mask" in samples[0]:
-            batch["loss_mask"] = self._cat(samples, "loss_mask", False, pad)
+        if "loss_mask" in flat:
+            batch["loss_mask"] = self._pad(flat["loss_mask"], False, pad)
         return batch
 
     @staticmethod
-    def _cat(samples: list[dict], key: str, value: Any, pad: int) -> torch.Tensor:
-        parts = [s[key] for s in samples]
-        parts.append(torch.full((pad,), value, dtype=parts[0].dtype))
+    def _pad(values: torch.Tensor, value: Any, pad: int) -> torch.Tensor:
+        parts = [values, torch.full((pad,), value, dtype=values.dtype)] if pad else [values]
         return torch.cat(parts).unsqueeze(0)

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
-from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator
+from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator, PackedCollator
 from tokenmill.dataflow.distributors import DataDistributor, worker_share
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
 from tokenmill.training.datasets import WindowBatch
@@ -129,6 +129,8 @@ def collate_windows(batch: WindowBatch, collator: BatchCollator) -> dict:
     """The batch `collator` makes of a WindowBatch's items; the default one, without items."""
     if type(collator) is DefaultBatchCollator:
         return batch.tensors()
+    if type(collator) is PackedCollator:
+        return collator.collate_stacked(batch.tensors())
     return collator.collate(batch.items())
 
 
