@@ -60,7 +60,10 @@ def write_store(root: Path, samples: int) -> Path:
 def children() -> list[int]:
     pids = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids += [int(p) for p in (task / "children").read_text().split()]
+        try:
+            pids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
     return pids
 
 
