@@ -244,22 +244,3 @@ def test_a_distributor_with_the_old_index_method_name_is_refused():
         class Old(IterableDistributor):
             def keys(self, dp_rank, dp_world_size):  # type: ignore[override]
                 return iter([])
-
-
-def test_map_distributor_tells_a_remote_dataset_the_samples_it_reads_next():
-    """A dataset that downloads its shards hears the next PREFETCH_HINT indices of the order
-    (this rank's) before it is asked for them, so their shards are fetched ahead."""
-    from tokenmill.dataflow.distributors import PREFETCH_HINT
-
-    class Remote(list):
-        hints: list[list[int]] = []
-
-        def prefetch(self, indices) -> None:
-            self.hints.append([int(i) for i in indices])
-
-    data = Remote(range(100))
-    got = [stream(MapDistributor(data, seed=3, num_epochs=1), 1, 2)]
-    mine = got[0]  # rank 1 of 2: positions 1, 3, 5, ...
-    assert Remote.hints[0] == mine[:PREFETCH_HINT]
-    assert Remote.hints[1] == mine[PREFETCH_HINT : 2 * PREFETCH_HINT]
-    assert [i for hint in Remote.hints for i in hint] == mine

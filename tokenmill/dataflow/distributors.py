@@ -12,8 +12,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
-import numpy as np
-
 from tokenmill.dataflow.batchers import token_count
 from tokenmill.shards.format import trained_count
 from tokenmill.training.state import (
@@ -21,7 +19,6 @@ from tokenmill.training.state import (
     check_state,
     data_fingerprint,
     epoch_end,
-    order_at,
     order_blocks,
     order_setup,
     order_state,
@@ -106,9 +103,6 @@ class _IndexedDistributor(DataDistributor):
             yield self.fetch(index)
 
 
-PREFETCH_HINT = 16  # samples of the order a dataset is told about ahead of reading them
-
-
 class MapDistributor(_IndexedDistributor):
     """A map-style dataset shuffled per epoch by (seed, epoch) (`training.state.order_at`).
 
@@ -143,14 +137,7 @@ class MapDistributor(_IndexedDistributor):
             order = order_blocks(
                 start + dp_rank, end, dp_world_size, n, self.seed, epoch, self.shuffle
             )
-            hint = getattr(self.dataset, "prefetch", None)
-            for k, (position, index) in enumerate(
-                zip(range(start + dp_rank, end, dp_world_size), order)
-            ):
-                if hint is not None and k % PREFETCH_HINT == 0:  # what the order reads next
-                    upcoming = range(position, min(end, position + PREFETCH_HINT * dp_world_size))
-                    hint(order_at(np.arange(upcoming.start, upcoming.stop, dp_world_size), n,
-                                  self.seed, epoch, self.shuffle))  # fmt: skip
+            for position, index in zip(range(start + dp_rank, end, dp_world_size), order):
                 done = position - dp_rank + dp_world_size  # every rank is past this round
                 self.epoch, self.consumed = (epoch + 1, 0) if done >= end else (epoch, done)
                 yield index

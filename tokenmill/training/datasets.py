@@ -9,7 +9,6 @@ store and the class.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,19 +76,6 @@ class BaseDataset(Dataset):
         if isinstance(manifest, dict) and manifest.get("tokenizer_fingerprint"):
             return str(manifest["tokenizer_fingerprint"]), str(manifest.get("tokenizer_path"))
         return None
-
-    @property
-    def prefetch(self) -> Callable[[np.ndarray], None] | None:
-        """Where the store downloads its shards (a dataset at a URL): a hint to call with the
-        indices the sample order reads next, so their shards are fetched ahead; else None."""
-        return self._read_ahead if getattr(self.store, "cache", None) is not None else None
-
-    def _read_ahead(self, indices: np.ndarray) -> None:
-        if len(indices):
-            self.store.read_ahead(self._views_of(np.asarray(indices, dtype=np.int64) % len(self)))
-
-    def _views_of(self, indices: np.ndarray) -> list[int]:
-        return self.store.record_views(indices)
 
     def _check_index(self, index: int) -> int:
         n = len(self)
@@ -163,11 +149,6 @@ class _StreamDataset(BaseDataset):
     def sample_length(self, index: int) -> int:
         self._check_index(index)
         return int(self.store.window_size)  # every window has the store's window size
-
-    def _views_of(self, indices: np.ndarray) -> list[int]:
-        windows, stride, size = self._geometry
-        begins = indices * stride
-        return self.store.stream_views(np.stack([begins, begins + size]).T.reshape(-1))
 
     def _window(self, index: int, keys: list[str]) -> dict[str, np.ndarray]:
         """Window `index` plus one token, as numpy arrays (maybe read-only views: copy them).
@@ -298,11 +279,6 @@ class SFTDataset(_StreamDataset):
     @property
     def fixed_windows(self) -> bool:
         return self.sample == "window"
-
-    def _views_of(self, indices: np.ndarray) -> list[int]:
-        if self.sample == "window":
-            return super()._views_of(indices)
-        return self.store.stream_views(self._starts[indices])
 
     def sample_length(self, index: int) -> int:
         if self.sample == "window":

@@ -249,11 +249,6 @@ class MmapStore(Store):
         rel, meta = self._metas[s]
         return self.cache.open(rel, meta)
 
-    def read_ahead(self, views: list[int]) -> None:
-        """Downloads of the next views the sample order reads (at most `prefetch` ahead)."""
-        if self.cache is not None and self.prefetch > 0 and views:
-            self._prefetcher().ahead(views[: self.prefetch])
-
     def _start_fill(self, prefetcher: Prefetcher) -> None:
         """The whole dataset fetched in the background when it fits the cache limit."""
         if prefetcher.filling or self.cache is None:

@@ -152,23 +152,6 @@ class Store:
         """View s's column of one key, for its offsets and items (its values may be empty)."""
         return self._columns(s)[key]
 
-    def read_ahead(self, views: list[int]) -> None:
-        """A hint that these views are read next, in this order. A store that downloads its
-        shards (MmapStore at a URL) starts on them; stores on disk ignore it."""
-        return None
-
-    def stream_views(self, positions: np.ndarray) -> list[int]:
-        """The views holding these stream positions, each once, in order of first need."""
-        starts = np.asarray(self._shared_starts, dtype=np.int64)
-        views = np.searchsorted(starts, np.asarray(positions, dtype=np.int64), side="right") - 1
-        return list(dict.fromkeys(np.clip(views, 0, max(len(starts) - 2, 0)).tolist()))
-
-    def record_views(self, indices: np.ndarray) -> list[int]:
-        """The views holding these records, each once, in order of first need."""
-        starts = np.asarray(self._record_starts, dtype=np.int64)
-        views = np.searchsorted(starts, np.asarray(indices, dtype=np.int64), side="right") - 1
-        return list(dict.fromkeys(np.clip(views, 0, max(len(starts) - 2, 0)).tolist()))
-
     def _loaded(self) -> list[ShardView]:
         if self._views is None:
             raise RuntimeError("Store not loaded")
