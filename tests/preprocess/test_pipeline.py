@@ -534,3 +534,22 @@ def test_a_second_run_of_a_live_output_is_refused_naming_it_and_a_dead_runs_lock
         first.wait()
     summary = Pipeline(config("sft"), [src], out, QWEN, workers=1).run()  # takes the lock over
     assert summary.records_read == 1000 and verify_dataset(out) == []
+
+
+def test_rejects_are_listed_in_input_order(tmp_path):
+    """Unreadable lines and records a config rejects, interleaved in one chunk and across two
+    files, are listed in rejects.jsonl as they stand in the inputs."""
+    good = json.dumps({"text": "a sentence long enough to keep " * 3})
+    short = json.dumps({"text": "too short"})
+    first = tmp_path / "a.jsonl"
+    first.write_text("\n".join([good, short, "{not json", good, short, "{bad"]) + "\n")
+    second = tmp_path / "b.jsonl"
+    second.write_text("\n".join(["{bad", short, good]) + "\n")
+    Pipeline(
+        config("seq"), [first, second], tmp_path / "out", QWEN, workers=1, on_error="skip"
+    ).run()
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").open()]
+    assert [(Path(r["source"]).name, r["line"]) for r in rejects] == [
+        ("a.jsonl", 2), ("a.jsonl", 3), ("a.jsonl", 5), ("a.jsonl", 6), ("b.jsonl", 1),
+        ("b.jsonl", 2),
+    ]  # fmt: skip

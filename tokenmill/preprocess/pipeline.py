@@ -109,6 +109,7 @@ class Pipeline:
     def _run(self) -> Summary:
         start = time.perf_counter()
         files = list_inputs(self.inputs)
+        self._input_rank = {str(f): i for i, f in enumerate(files)}  # rejects in input order
         if self.engine == "ray" and any(isinstance(f, DatasetInput) for f in files):
             raise ValueError(
                 "the ray engine reads input files on its workers, not an in-memory dataset: "
@@ -213,6 +214,9 @@ class Pipeline:
                     "text": str(err),
                 }
             )
+        # a chunk's unreadable lines come before its records' errors: put them in input order
+        unknown = len(self._input_rank)
+        errors.sort(key=lambda e: (self._input_rank.get(e["source"], unknown), e["line"] or 0))
         counts = {
             "records_read": result.records_read,
             "records_written": result.records_written,
