@@ -21,9 +21,10 @@ from tokenmill.dataflow import (
 from tokenmill.dataflow.loader import run_roles
 from tokenmill.dataflow.processors import IdentityProcessor
 from tokenmill.shards.writer import ShardWriter
-from tokenmill.training.datasets import SEQDataset, SFTDataset, WindowBatch
+from tokenmill.training.datasets import SEQDataset, SFTDataset
 from tokenmill.training.mmap_store import MmapStore
 from tokenmill.training.state import epoch_order
+from tokenmill.training.windows import WindowBatch
 
 SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
 WINDOW, BATCH, SEED = 7, 4, 3

@@ -21,7 +21,8 @@ from tokenmill.dataflow.collators import SFTPaddingCollator
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.presets import default_config
 from tokenmill.training.dataset_factory import DATASETS, DatasetFactory
-from tokenmill.training.datasets import DPODataset, GRPODataset, SEQDataset, SFTDataset
+from tokenmill.training.datasets import SEQDataset, SFTDataset
+from tokenmill.training.record_datasets import DPODataset, GRPODataset
 
 DATA = ROOT / "data"
 TOKENIZER = DATA / "tokenizers" / "qwen2.5"

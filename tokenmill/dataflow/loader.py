@@ -13,8 +13,8 @@ reading the whole stream and collating only its own groups (see benchmarks/bench
 
 from __future__ import annotations
 
+import copy
 import itertools
-import pickle
 import queue
 import sys
 import threading
@@ -31,8 +31,8 @@ from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
 from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator, PackedCollator
 from tokenmill.dataflow.distributors import DataDistributor, worker_share
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
-from tokenmill.training.datasets import WindowBatch
 from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
+from tokenmill.training.windows import WindowBatch
 
 __all__ = ["DataflowLoader", "run_roles"]
 
@@ -156,7 +156,7 @@ def threaded_roles(loader: DataflowLoader) -> Iterator[tuple[dict, dict, dict]]:
     roles = (loader.distributor, loader.processor, loader.batcher, loader.collator)
     copies: list[tuple[Any, Any, Any, Any]] = [roles]
     if n > 1:
-        copies = [pickle.loads(pickle.dumps(roles)) for _ in range(n)]
+        copies = [copy.deepcopy(roles) for _ in range(n)]  # stores copy paths, not maps
     queues: list[queue.Queue] = [queue.Queue(loader.prefetch_factor) for _ in range(n)]
     stop = threading.Event()
 

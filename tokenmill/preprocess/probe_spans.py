@@ -13,7 +13,8 @@ import re
 import numpy as np
 
 from tokenmill.preprocess.chat_template import Renderer
-from tokenmill.preprocess.content_spans import CONTENT_MARK, TokenOffsets
+from tokenmill.preprocess.content_spans import CONTENT_MARK
+from tokenmill.preprocess.token_offsets import TokenOffsets
 
 
 def prefix_starts(

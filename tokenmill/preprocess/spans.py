@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from tokenmill.preprocess.chat_template import Renderer, render_generation_spans
-from tokenmill.preprocess.content_spans import TokenOffsets, added_table, content_starts
+from tokenmill.preprocess.content_spans import content_starts
 from tokenmill.preprocess.probe_spans import header_opener, prefix_starts
+from tokenmill.preprocess.token_offsets import TokenOffsets, added_table
 from tokenmill.preprocess.tokenizer import TokenizerBundle
 
 

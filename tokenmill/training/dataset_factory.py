@@ -9,15 +9,9 @@ from typing import Any
 
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.remote import is_url
-from tokenmill.training.datasets import (
-    BaseDataset,
-    DPODataset,
-    GRPODataset,
-    KTODataset,
-    SEQDataset,
-    SFTDataset,
-)
+from tokenmill.training.datasets import BaseDataset, SEQDataset, SFTDataset
 from tokenmill.training.factory import StoreFactory, detect_format
+from tokenmill.training.record_datasets import DPODataset, GRPODataset, KTODataset
 
 DATASETS: dict[str, type[BaseDataset]] = {
     "seq": SEQDataset,

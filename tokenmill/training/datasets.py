@@ -1,15 +1,14 @@
 """Datasets: a loaded Store seen as numbered training items.
 
 Sits between the stores (`store.py`) and the sampler / dataflow roles. Stream
-types (`seq`, `sft`) cut the token stream into windows; record types (`dpo`,
-`grpo`) return one record each. `DatasetFactory` (`dataset_factory.py`) picks the
+types (`seq`, `sft`) cut the token stream into windows here; record types (`dpo`,
+`kto`, `grpo`, record_datasets.py) return one record each. `DatasetFactory` (`dataset_factory.py`) picks the
 store and the class.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from tokenmill.shards.format import opens_document
+from tokenmill.training.windows import WindowBatch
 
 
 class BaseDataset(Dataset):
@@ -82,43 +82,6 @@ class BaseDataset(Dataset):
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for {type(self).__name__} of {n} items")
         return index + n if index < 0 else index
-
-
-@dataclass
-class WindowBatch:
-    """A batch of fixed-length samples as stored: each key [B, W + 1] in its stored dtype
-    (int32 tokens), the one token more being the last target. This is what crosses a worker
-    pipe: a quarter of the bytes of int64 inputs and targets. `tensors()` makes the batch a
-    trainer takes, on the training side: what DefaultBatchCollator makes of the items."""
-
-    arrays: dict[str, torch.Tensor]
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The items stacked: [B, W] each."""
-        return self._shifted(self.arrays)
-
-    def items(self) -> list[dict[str, torch.Tensor]]:
-        """The items, as the dataset's `__getitem__` gives them, for any other collator."""
-        wide = self._shifted(self.arrays)
-        return [{k: v[j] for k, v in wide.items()} for j in range(len(self.arrays["sequence"]))]
-
-    @staticmethod
-    def _shifted(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Inputs, targets and masks cut along the last axis and widened: one contiguous copy
-        each, so `.view(-1)` works as on stacked items."""
-
-        def cut(key: str, part: slice, dtype: torch.dtype) -> torch.Tensor:
-            return arrays[key][..., part].to(dtype).contiguous()
-
-        out = {
-            "input_ids": cut("sequence", slice(None, -1), torch.int64),
-            "target_ids": cut("sequence", slice(1, None), torch.int64),
-        }
-        if "loss_mask" in arrays:
-            out["loss_mask"] = cut("loss_mask", slice(1, None), torch.bool)
-        if "position_ids" in arrays:
-            out["position_ids"] = cut("position_ids", slice(None, -1), torch.int64)
-        return out
 
 
 class _StreamDataset(BaseDataset):
@@ -316,136 +279,3 @@ class SFTDataset(_StreamDataset):
         lengths = self.store.fetch_record(index, "doc_lengths").to(torch.int64)
         lengths[-1] -= 1
         return lengths[lengths > 0]
-
-
-class _RecordDataset(BaseDataset):
-    """Record types: `len` is the record count; lengths come from offsets when the store has them."""
-
-    length_keys: tuple[str, ...] = ()
-
-    def __init__(self, store: Any, max_len: int = 2048) -> None:
-        super().__init__(store, max_len)
-        self._lengths: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return int(self.store.num_records)
-
-    def _record(self, index: int) -> dict[str, Any]:
-        return self.store.fetch_record(self._check_index(index), list(self.keys))
-
-    def _all_lengths(self) -> np.ndarray | None:
-        """Per-record token counts summed over `length_keys`, or None if the store cannot say."""
-        if self._lengths is None and hasattr(self.store, "record_lengths"):
-            try:  # a lazy store has no offsets: lengths are known only once a record is processed
-                per_key = [np.asarray(self.store.record_lengths(k)) for k in self.length_keys]
-            except ValueError:
-                return None
-            self._lengths = np.sum([self._capped(n) for n in per_key], axis=0).astype(np.int64)
-        return self._lengths
-
-    def _capped(self, lengths: np.ndarray) -> np.ndarray:
-        return lengths
-
-    def sample_length(self, index: int) -> int:
-        index = self._check_index(index)
-        lengths = self._all_lengths()
-        if lengths is not None:
-            return int(lengths[index])
-        return self._measure(self[index])
-
-    def _measure(self, item: dict[str, Any]) -> int:
-        raise NotImplementedError
-
-    def _data_identity(self) -> str:
-        lengths = self._all_lengths()
-        if lengths is None:
-            return f"records={len(self)}"
-        return "lengths=" + hashlib.sha256(lengths.astype("<i8").tobytes()).hexdigest()
-
-
-class DPODataset(_RecordDataset):
-    """Preference pairs: `chosen`, `rejected` and their masks, each cut to `max_len` tokens
-    keeping the start (the prompt)."""
-
-    train_type = "dpo"
-    keys = ("chosen", "rejected", "chosen_mask", "rejected_mask")
-    length_keys = ("chosen", "rejected")
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        record = self._record(index)
-        item = {}
-        for key in self.keys:
-            value = torch.as_tensor(record[key])[: self.max_len]
-            item[key] = value.bool() if key.endswith("_mask") else value.long()
-        return item
-
-    def _capped(self, lengths: np.ndarray) -> np.ndarray:
-        return np.minimum(lengths, self.max_len)
-
-    def _measure(self, item: dict[str, Any]) -> int:
-        return len(item["chosen"]) + len(item["rejected"])
-
-
-class KTODataset(_RecordDataset):
-    """Unpaired preference data (TRL's KTO): `completion` (the prompt and the reply as one
-    conversation) with its `completion_mask` (the reply trains), cut to `max_len` keeping the
-    start, and `label` (1.0 good, 0.0 bad)."""
-
-    train_type = "kto"
-    keys = ("completion", "completion_mask", "label")
-    length_keys = ("completion",)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        record = self._record(index)
-        return {
-            "completion": torch.as_tensor(record["completion"])[: self.max_len].long(),
-            "completion_mask": torch.as_tensor(record["completion_mask"])[: self.max_len].bool(),
-            "label": torch.as_tensor(record["label"]).to(torch.float32).reshape(()),
-        }
-
-    def _capped(self, lengths: np.ndarray) -> np.ndarray:
-        return np.minimum(lengths, self.max_len)
-
-    def _measure(self, item: dict[str, Any]) -> int:
-        return len(item["completion"])
-
-
-class GRPODataset(_RecordDataset):
-    """GRPO groups: one prompt, a list of responses with their masks, and one reward per
-    response. Nothing is truncated: a group is scored as a whole. Prompt-only data (prompts
-    for online generation, no responses yet) gives items of `prompts` alone."""
-
-    train_type = "grpo"
-    keys = ("prompts",)
-    length_keys: tuple[str, ...] = ("prompts", "responses")
-
-    def __init__(self, store: Any, max_len: int = 2048) -> None:
-        super().__init__(store, max_len)
-        if "responses" in store.keys:
-            self._check_keys(store, ("responses", "masks", "rewards"))
-        else:
-            self.length_keys = ("prompts",)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        if "responses" not in self.store.keys:
-            prompts = self.store.fetch_record(self._check_index(index), "prompts")
-            return {"prompts": torch.as_tensor(prompts).long().reshape(-1)}
-        record = self.store.fetch_record(
-            self._check_index(index), ["prompts", "responses", "masks", "rewards"]
-        )
-        responses = [torch.as_tensor(r).long() for r in record["responses"]]
-        masks = [torch.as_tensor(m).bool() for m in record["masks"]]
-        rewards = torch.as_tensor(record["rewards"]).to(torch.float32).reshape(-1)
-        if not len(responses) == len(masks) == len(rewards):
-            raise ValueError(
-                f"GRPO record {index}: {len(responses)} responses, {len(masks)} masks and "
-                f"{len(rewards)} rewards; they must match one to one"
-            )
-        prompt = torch.as_tensor(record["prompts"]).long().reshape(-1)
-        return {"prompts": prompt, "responses": responses, "masks": masks, "rewards": rewards}
-
-    def _cut_params(self) -> str:
-        return "untruncated"
-
-    def _measure(self, item: dict[str, Any]) -> int:
-        return len(item["prompts"]) + sum(len(r) for r in item.get("responses", []))

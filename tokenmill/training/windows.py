@@ -1,0 +1,44 @@
+"""WindowBatch: a batch of fixed-length samples as stored, what crosses a loader's worker pipe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class WindowBatch:
+    """A batch of fixed-length samples as stored: each key [B, W + 1] in its stored dtype
+    (int32 tokens), the one token more being the last target. This is what crosses a worker
+    pipe: a quarter of the bytes of int64 inputs and targets. `tensors()` makes the batch a
+    trainer takes, on the training side: what DefaultBatchCollator makes of the items."""
+
+    arrays: dict[str, torch.Tensor]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The items stacked: [B, W] each."""
+        return self._shifted(self.arrays)
+
+    def items(self) -> list[dict[str, torch.Tensor]]:
+        """The items, as the dataset's `__getitem__` gives them, for any other collator."""
+        wide = self._shifted(self.arrays)
+        return [{k: v[j] for k, v in wide.items()} for j in range(len(self.arrays["sequence"]))]
+
+    @staticmethod
+    def _shifted(arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Inputs, targets and masks cut along the last axis and widened: one contiguous copy
+        each, so `.view(-1)` works as on stacked items."""
+
+        def cut(key: str, part: slice, dtype: torch.dtype) -> torch.Tensor:
+            return arrays[key][..., part].to(dtype).contiguous()
+
+        out = {
+            "input_ids": cut("sequence", slice(None, -1), torch.int64),
+            "target_ids": cut("sequence", slice(1, None), torch.int64),
+        }
+        if "loss_mask" in arrays:
+            out["loss_mask"] = cut("loss_mask", slice(1, None), torch.bool)
+        if "position_ids" in arrays:
+            out["position_ids"] = cut("position_ids", slice(None, -1), torch.int64)
+        return out
