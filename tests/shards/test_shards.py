@@ -75,9 +75,14 @@ def test_stream_keys_written_exactly(tmp_path):
     offsets = (shard / "sequence.offsets.bin").read_bytes()
     assert offsets == np.array([0, 3, 5, 9], "<i8").tobytes()
     meta = json.loads((shard / "meta.json").read_text())
+    seq_hash, offsets_hash = xxhash.xxh64(seq).hexdigest(), xxhash.xxh64(offsets).hexdigest()
     assert meta["sequence"] == {
-        "shape": [9], "dtype": "int32", "nbytes": 36, "xxh64": xxhash.xxh64(seq).hexdigest(),
-        "offsets": {"file": "sequence.offsets.bin", "count": 4, "xxh64": xxhash.xxh64(offsets).hexdigest()},
+        "shape": [9], "dtype": "int32", "nbytes": 36, "xxh64": seq_hash,
+        "pages": {"bytes": 1 << 20, "xxh64": seq_hash},  # one page: the whole file's digest
+        "offsets": {
+            "file": "sequence.offsets.bin", "count": 4, "xxh64": offsets_hash,
+            "pages": {"bytes": 1 << 20, "xxh64": offsets_hash},
+        },
     }  # fmt: skip
     assert list(meta) == list(SFT) and meta["loss_mask"]["nbytes"] == 9
     assert read_meta(shard) == meta and verify_dataset(tmp_path) == []

@@ -639,34 +639,3 @@ def test_a_store_of_more_shards_than_open_files_reads_every_record(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["400"]
-
-
-def test_integrity_levels_find_corruption_at_a_shards_first_read(tmp_path):
-    """A flipped byte passes the default size check and is found by integrity="full" when
-    the shard is first read; scrambled offsets are found by "structure"; both name the shard
-    and the check."""
-    write(tmp_path, list(sft_records()), SFT, "sequence", 20)
-    flipped = tmp_path / "shard_00001" / "loss_mask.bin"
-    data = bytearray(flipped.read_bytes())
-    data[0] ^= 1
-    flipped.write_bytes(bytes(data))
-
-    def read_all(store):
-        return [store.fetch_record(i, "loss_mask") for i in range(store.num_records)]
-
-    read_all(MmapStore().load(tmp_path))  # sizes: the flip goes unseen, as documented
-    read_all(MmapStore(integrity="structure").load(tmp_path))  # offsets are fine
-    with pytest.raises(
-        ValueError,
-        match=r"shard_00001: corrupt, found by the integrity='full' check at its first read: "
-        r".*loss_mask\.bin.*xxh64 checksum mismatch",
-    ):
-        read_all(MmapStore(integrity="full").load(tmp_path))
-    offsets = tmp_path / "shard_00002" / "sequence.offsets.bin"
-    values = np.fromfile(offsets, "<i8")
-    values[[1, 2]] = values[[2, 1]]  # out of order, first and last kept
-    values.tofile(offsets)
-    with pytest.raises(ValueError, match=r"shard_00002: corrupt, .*'structure'.*not monotonic"):
-        read_all(MmapStore(integrity="structure").load(tmp_path))
-    with pytest.raises(ValueError, match="integrity must be one of"):
-        MmapStore(integrity="paranoid")

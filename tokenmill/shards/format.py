@@ -55,6 +55,46 @@ def checksum(data: np.ndarray | bytes) -> str:
     ).hexdigest()
 
 
+PAGE_BYTES = 1 << 20  # each file's pages get their own xxh64: what integrity="sampled" checks
+
+
+class FileHashes:
+    """xxh64 of a file's bytes as they are written, whole and per PAGE_BYTES page, so a reader
+    can check a few pages of a shard without reading all of it."""
+
+    def __init__(self) -> None:
+        self.whole, self.page = xxhash.xxh64(), xxhash.xxh64()
+        self.filled = 0  # bytes in the open page
+        self.pages: list[str] = []  # hex digests of the full pages
+
+    def update(self, data: np.ndarray | bytes) -> None:
+        view = (
+            memoryview(data) if isinstance(data, bytes) else np.ascontiguousarray(data).data
+        ).cast("B")
+        self.whole.update(view)
+        while len(view):
+            take = min(PAGE_BYTES - self.filled, len(view))
+            self.page.update(view[:take])
+            self.filled, view = self.filled + take, view[take:]
+            if self.filled == PAGE_BYTES:
+                self.pages.append(self.page.hexdigest())
+                self.page.reset()
+                self.filled = 0
+
+    def entry(self) -> dict:
+        """meta.json's checksum fields: `xxh64` of the whole file, and `pages` (page size and
+        the pages' xxh64 digests, 16 hex digits each, concatenated)."""
+        last = [self.page.hexdigest()] if self.filled else []
+        digests = "".join(self.pages + last)
+        return {"xxh64": self.whole.hexdigest(), "pages": {"bytes": PAGE_BYTES, "xxh64": digests}}
+
+
+def file_hashes(data: np.ndarray) -> dict:
+    hashes = FileHashes()
+    hashes.update(data)
+    return hashes.entry()
+
+
 def cast(values: np.ndarray, dtype: str, where: str) -> np.ndarray:
     """values as `dtype`, little-endian; refuses a cast that would change a value."""
     if dtype not in DTYPES:

@@ -7,6 +7,8 @@ shard, file and key, so a truncated or corrupted dataset is found before trainin
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -66,18 +68,59 @@ def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
     return problems
 
 
-INTEGRITY = ("sizes", "structure", "full")  # what a store checks of a shard, cheapest first
+INTEGRITY = ("sizes", "sampled", "structure", "full")  # what a store checks, cheapest first
+SAMPLED_PAGES = 4  # pages read per file at integrity="sampled": the first, the last, 2 at random
 
 
 def check_shard(shard: Path, rel: str, meta: dict, level: str) -> list[str]:
-    """The problems a store's integrity level finds in one shard when it first opens it:
-    sizes (nothing more here: the store stats every file at load), structure (offsets, items
-    and document lengths read whole: O(records)), full (every checksum too: O(bytes))."""
+    """The problems a store's integrity level finds in one shard when it first opens it; each
+    level adds to the one before: sizes (nothing more here: the store stats every file at load),
+    sampled (SAMPLED_PAGES pages of each file against their xxh64: O(1)), structure (offsets,
+    items and document lengths read whole: O(records)), full (every checksum: O(bytes))."""
     if level not in INTEGRITY:
         raise ValueError(f"integrity must be one of {list(INTEGRITY)}, got {level!r}")
     if level == "sizes":
         return []
-    return _verify_shard(shard, rel, meta, checksums=level == "full")
+    if level == "full":
+        return _verify_shard(shard, rel, meta, checksums=True)
+    problems = _verify_shard(shard, rel, meta, checksums=False) if level == "structure" else []
+    return problems or _sampled_pages(shard, rel, meta)
+
+
+def _sampled_pages(shard: Path, rel: str, meta: dict) -> list[str]:
+    rng = random.Random()
+    for key, entry in meta.items():
+        files = [(f"{key}.bin", entry)]
+        files += [(b["file"], b) for b in (entry.get("offsets"), entry.get("items")) if _file(b)]
+        for name, info in files:
+            if "pages" not in info:
+                continue  # written before pages had checksums: nothing to sample
+            count = len(info["pages"]["xxh64"]) // 16
+            picked: Iterable[int] = range(count)
+            if count > SAMPLED_PAGES:
+                picked = [0, count - 1, *rng.sample(range(1, count - 1), SAMPLED_PAGES - 2)]
+            bad = _bad_page(shard / name, info["pages"], picked)
+            if bad is not None:
+                return [f"{rel}/{name}: key {key!r}: {bad}: the data is corrupted"]
+    return []
+
+
+def _file(bounds: object) -> bool:
+    return isinstance(bounds, dict)
+
+
+def _bad_page(path: Path, pages: dict, picked: Iterable[int]) -> str | None:
+    """The first of the picked pages whose xxh64 differs from meta.json's, named; None if they
+    all match."""
+    size, digests = pages["bytes"], pages["xxh64"]
+    with open(path, "rb") as f:
+        for page in sorted(picked):
+            f.seek(page * size)
+            if checksum(f.read(size)) != digests[page * 16 : page * 16 + 16]:
+                return (
+                    f"page {page} (bytes {page * size}-{(page + 1) * size}) differs from its xxh64"
+                )
+    return None
 
 
 def _verify_shard(shard: Path, rel: str, meta: dict, checksums: bool = True) -> list[str]:
@@ -94,7 +137,7 @@ def _verify_shard(shard: Path, rel: str, meta: dict, checksums: bool = True) -> 
                 f"(shape {entry['shape']} of {entry['dtype']}): truncated or overwritten"
             )
         elif checksums and "xxh64" in entry and file_checksum(path) != entry["xxh64"]:
-            problems.append(f"{where}: xxh64 checksum mismatch: the data is corrupted")
+            problems.append(f"{where}: xxh64 checksum mismatch: {_where_corrupt(path, entry)}")
         length = entry["shape"][0]
         if "items" in entry:
             problems += _verify_bounds(shard, rel, key, "items", entry["items"], length, checksums)
@@ -106,6 +149,13 @@ def _verify_shard(shard: Path, rel: str, meta: dict, checksums: bool = True) -> 
     if not problems and "doc_lengths" in meta and "sequence" in meta:
         problems += _verify_documents(shard, rel, meta)
     return problems
+
+
+def _where_corrupt(path: Path, info: dict) -> str:
+    """Names the first corrupt page where meta.json has the checksums of several."""
+    count = len(info.get("pages", {}).get("xxh64", "")) // 16
+    bad = _bad_page(path, info["pages"], range(count)) if count > 1 else None
+    return f"the data is corrupted ({bad})" if bad else "the data is corrupted"
 
 
 def _verify_documents(shard: Path, rel: str, meta: dict) -> list[str]:
@@ -150,7 +200,7 @@ def _verify_bounds(
                 f"{where}: {path.stat().st_size} bytes, expected {expected} (count {bounds['count']})"
             ]
         if checksums and "xxh64" in bounds and file_checksum(path) != bounds["xxh64"]:
-            return [f"{where}: xxh64 checksum mismatch: the {part} are corrupted"]
+            return [f"{where}: xxh64 checksum mismatch: {_where_corrupt(path, bounds)}"]
         values = map_array(path, "int64", bounds["count"], key)
     if len(values) == 0:
         return [f"{where}: empty; needs at least [0]"]

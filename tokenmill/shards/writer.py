@@ -26,8 +26,10 @@ from tokenmill.shards.format import (
     STORAGE_FORMATS,
     TMP_MARK,
     Column,
+    FileHashes,
     cast,
     checksum,
+    file_hashes,
     flat,
     is_list_value,
     row_tokens,
@@ -69,7 +71,7 @@ def stage_shard(
                 "shape": [len(values)],
                 "dtype": dtypes[key],
                 "nbytes": values.nbytes,
-                "xxh64": checksum(values),
+                **file_hashes(values),
             }
             for part, bounds in (("offsets", col.offsets), ("items", col.items)):
                 if bounds is not None:
@@ -78,7 +80,7 @@ def stage_shard(
                     entry[part] = {
                         "file": f"{key}.{part}.bin",
                         "count": len(bounds),
-                        "xxh64": checksum(bounds),
+                        **file_hashes(bounds),
                     }
             meta[key] = entry
         write_durable(tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
@@ -126,7 +128,7 @@ class _StagedColumn:
 
     def __init__(self, path: Path, dtype: str, where: str) -> None:
         self.file = open(path, "wb")  # noqa: SIM115  # closed by finish() or discard()
-        self.hash = xxhash.xxh64()
+        self.hashes = FileHashes()
         self.dtype, self.where = dtype, where
         self.pending: list[np.ndarray] = []
         self.pending_bytes = self.count = 0
@@ -146,17 +148,17 @@ class _StagedColumn:
     def flush(self) -> None:
         if self.pending:
             data = np.ascontiguousarray(np.concatenate(self.pending))
-            self.hash.update(data.data)
+            self.hashes.update(data)
             data.tofile(self.file)
             self.pending, self.pending_bytes = [], 0
 
-    def finish(self) -> str:
-        """Writes what is pending, fsyncs, closes; returns the values' checksum."""
+    def finish(self) -> dict:
+        """Writes what is pending, fsyncs, closes; returns the values' checksums."""
         self.flush()
         self.file.flush()
         os.fsync(self.file.fileno())
         self.file.close()
-        return self.hash.hexdigest()
+        return self.hashes.entry()
 
 
 class StagedShard:
@@ -202,7 +204,7 @@ class StagedShard:
                     "shape": [column.count],
                     "dtype": self.dtypes[key],
                     "nbytes": column.count * np.dtype(DTYPES[self.dtypes[key]]).itemsize,
-                    "xxh64": column.finish(),
+                    **column.finish(),
                 }
                 bounds = [("offsets", offsets_of(column.lengths))]
                 if key in self.list_keys:
@@ -212,7 +214,7 @@ class StagedShard:
                     entry[part] = {
                         "file": f"{key}.{part}.bin",
                         "count": len(values),
-                        "xxh64": checksum(values),
+                        **file_hashes(values),
                     }
                 meta[key] = entry
             write_durable(self.tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())

@@ -71,8 +71,10 @@ class DatasetFactory:
         least recently used shards are evicted), `storage_options` for fsspec.
 
         `integrity` (shards): what is checked of each shard at its first read, beyond the
-        file sizes checked at load: "sizes" (nothing more), "structure" (offsets, items and
-        document lengths, O(records)) or "full" (every checksum too, O(bytes))."""
+        file sizes checked at load, each level adding to the one before: "sizes" (nothing
+        more), "sampled" (4 pages of each file against their checksums, O(1)), "structure"
+        (offsets, items and document lengths, O(records)) or "full" (every checksum,
+        O(bytes))."""
         _dataset_class(train_type)
         remote = {
             "cache_dir": cache_dir,
