@@ -32,6 +32,7 @@ SCRIPTS = (
     "bench_packing",
     "bench_loader",
     "bench_memory",
+    "bench_run_memory",
     "bench_ray",
     "bench_remote",
 )
@@ -40,6 +41,7 @@ QUICK = {
     "bench_preprocess": {"tokens": 1_000_000, "repeats": 1},
     "bench_packing": {"repeats": 1},
     "bench_ray": {"copies": 1, "repeats": 1},
+    "bench_run_memory": {"input_mb": 30},
 }
 
 

@@ -8,12 +8,17 @@ import shutil
 import numpy as np
 import pytest
 import xxhash
+from helpers import ROOT
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.presets import default_config
 from tokenmill.shards.format import PAGE_BYTES, FileHashes
-from tokenmill.shards.verify import verify_dataset
+from tokenmill.shards.verify import INTEGRITY, verify_dataset
 from tokenmill.shards.writer import ShardWriter
+from tokenmill.training.dataset_factory import DatasetFactory
 from tokenmill.training.mmap_store import MmapStore
 
 SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
@@ -148,3 +153,104 @@ def test_a_copied_dataset_keeps_its_page_checksums(tmp_path):
     read_all(MmapStore(integrity="sampled").load(tmp_path / "a"))
     with pytest.raises(ValueError, match=r"page 5"):
         MmapStore(integrity="sampled").load(tmp_path / "b").fetch_record(0, "sequence")
+
+
+# --- the corruption scorecard: each case, and where each level finds it ---------------------
+def flip_byte(out):
+    flip(out / "shard_00001" / "chosen.bin", 101)
+
+
+def zero_page(out):
+    path = out / "shard_00001" / "chosen.bin"
+    data = bytearray(path.read_bytes())
+    data[4096:8192] = bytes(4096)
+    path.write_bytes(bytes(data))
+
+
+def scramble_offsets(out):
+    path = out / "shard_00001" / "rejected.offsets.bin"
+    values = np.fromfile(path, "<i8")
+    values[[1, 2]] = values[[2, 1]]  # first and last kept: the sizes check passes
+    values.tofile(path)
+
+
+def shift_offsets(out):
+    path = out / "shard_00001" / "chosen.offsets.bin"
+    values = np.fromfile(path, "<i8")
+    values[1:-1] += 1  # still monotonic and in range: only a checksum tells
+    values.tofile(path)
+
+
+def swap_shards(out):
+    (out / "shard_00000").rename(out / "swap")
+    (out / "shard_00001").rename(out / "shard_00000")
+    (out / "swap").rename(out / "shard_00001")
+
+
+def edit_dtype(out):
+    meta = out / "shard_00001" / "meta.json"
+    meta.write_text(meta.read_text().replace('"int32"', '"float32"', 1))
+
+
+def truncate(out):
+    path = out / "shard_00001" / "rejected_mask.bin"
+    path.write_bytes(path.read_bytes()[:-1])
+
+
+def delete(out):
+    (out / "shard_00001" / "rejected.bin").unlink()
+
+
+# case -> where each level finds it: "load" (refused by DatasetFactory.load), "read" (raised
+# at the shard's first read) or None (served unseen: what the level does not promise)
+SCORECARD = {
+    flip_byte: (None, "read", "read", "read"),
+    zero_page: (None, "read", "read", "read"),
+    scramble_offsets: (None, "read", "read", "read"),
+    shift_offsets: (None, "read", "read", "read"),
+    swap_shards: ("load", "load", "load", "load"),
+    edit_dtype: ("load", "load", "load", "load"),
+    truncate: ("load", "load", "load", "load"),
+    delete: ("load", "load", "load", "load"),
+}
+
+
+@pytest.fixture(scope="module")
+def dpo_output(tmp_path_factory):
+    """A DPO dataset of 2 shards, written by the pipeline from shipped data."""
+    tmp = tmp_path_factory.mktemp("dpo")
+    src = tmp / "in.jsonl"
+    with open(ROOT / "data" / "dpo_en_300.jsonl", encoding="utf-8") as f:
+        src.write_text("".join(next(f) for _ in range(40)))
+    data = default_config("dpo").model_dump()
+    data["output"]["max_tokens_per_shard"] = 15_000
+    config = PipelineConfig.model_validate(data)
+    out = tmp / "out"
+    Pipeline(config, [src], out, ROOT / "data/tokenizers/qwen2.5", workers=1).run()
+    assert sorted(p.name for p in out.glob("shard_*")) == ["shard_00000", "shard_00001"]
+    return out
+
+
+def outcome(out, level):
+    try:
+        dataset = DatasetFactory.load("dpo", str(out), window_size=2048, integrity=level)
+    except ValueError:
+        return "load"
+    try:
+        for i in range(len(dataset)):
+            dataset[i]
+    except ValueError:
+        return "read"
+    return None
+
+
+@pytest.mark.parametrize("case", list(SCORECARD), ids=lambda case: case.__name__)
+def test_each_corruption_is_found_where_its_level_promises(dpo_output, tmp_path, case):
+    clean = tmp_path / "clean"
+    shutil.copytree(dpo_output, clean)
+    assert [outcome(clean, level) for level in INTEGRITY] == [None] * 4
+    out = tmp_path / "out"
+    shutil.copytree(dpo_output, out)
+    case(out)
+    assert tuple(outcome(out, level) for level in INTEGRITY) == SCORECARD[case]
+    assert verify_dataset(out)  # verify finds every case
