@@ -40,6 +40,16 @@ WRAPPER = (
 )
 
 
+FLOOR = (
+    "import json, resource, sys\n"
+    "from tokenizers import Tokenizer\n"
+    "tok = Tokenizer.from_file(sys.argv[1])\n"
+    "text = json.loads(open(sys.argv[2], encoding='utf-8').readline())['text']\n"
+    "tok.encode(text)\n"
+    "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+)
+
+
 def tree(pid: int) -> list[int]:
     """pid and its descendants, as /proc lists them now."""
     found, todo = [], [pid]
@@ -170,6 +180,21 @@ def main(input_mb: int = 300, workers: int = 2) -> dict[str, float]:
                 print(
                     f"{'':<34} {shards} shards, {json.loads((out / 'manifest.json').read_text())['summary'].get('tokens'):,} tokens"
                 )
+        floor = subprocess.run(
+            [sys.executable, "-c", FLOOR, str(TOKENIZER / "tokenizer.json"), str(record)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        floor_mib = int(floor.stdout.split()[-1]) / 1024
+        figures["floor: encode of the 10 MB record MiB"] = round(floor_mib, 1)
+        figures["r_kept largest / encode floor"] = round(
+            figures["r_kept largest MiB"] / floor_mib, 2
+        )
+        print(
+            f"floor: a bare process encoding the 10 MB record with `tokenizers`: {floor_mib:.0f} MiB "
+            f"peak; the kept run's largest process is {figures['r_kept largest / encode floor']:.2f}x that"
+        )
         spread = [figures[f"t{t} largest MiB"] for t in SHARD_TOKENS]
         figures["largest MiB, max/min over shard sizes"] = round(max(spread) / min(spread), 2)
         print(
