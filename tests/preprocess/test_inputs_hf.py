@@ -13,7 +13,8 @@ import pytest
 from helpers import DATA, QWEN
 
 from tokenmill import Pipeline, default_config
-from tokenmill.preprocess.inputs import DatasetInput, input_identity, list_inputs
+from tokenmill.preprocess.hf_inputs import DatasetInput
+from tokenmill.preprocess.inputs import input_identity, list_inputs
 from tokenmill.preprocess.records import RecordError, read_records
 from tokenmill.tools.cli import main
 

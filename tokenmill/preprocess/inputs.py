@@ -11,17 +11,17 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
-import json
 import os
-import re
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
+
+from tokenmill.preprocess.hf_inputs import DatasetInput, hf_dataset_kind, hf_layout
 
 INPUT_SUFFIXES = (
     ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".arrow",
@@ -31,47 +31,11 @@ INPUT_SUFFIXES = (
 _CHUNK = 1 << 20
 
 
-class DatasetInput:
-    """A Hugging Face `datasets.Dataset` or `IterableDataset` given as input: its rows are the
-    records, named `<name>:<row>` (1-based, as Parquet rows are) in errors.
-
-    `datasets` is never imported here (it imports torch): the object is recognised by its type.
-    """
-
-    def __init__(self, dataset: Any, position: int):
-        self.dataset = dataset
-        info = getattr(dataset, "info", None)
-        label = "/".join(
-            str(part)
-            for part in (getattr(info, "dataset_name", None), getattr(dataset, "split", None))
-            if part
-        )
-        # the position keeps two unnamed datasets (or two selections of one) apart
-        self.name = f"{type(dataset).__name__}#{position}" + (f"({label})" if label else "")
-
-    def __str__(self) -> str:
-        return self.name
-
-    def __repr__(self) -> str:
-        return f"DatasetInput({self.name})"
-
-
 InputPath = Path | str | DatasetInput  # a local path, a URL (s3://...), or an in-memory dataset
 
 
 def is_url(path: InputPath) -> bool:
     return isinstance(path, str) and "://" in path
-
-
-def hf_dataset_kind(value: Any) -> str | None:
-    """ "Dataset", "IterableDataset", "DatasetDict" or "IterableDatasetDict" for an object of
-    Hugging Face `datasets`, else None."""
-    for cls in type(value).__mro__:
-        if cls.__module__.split(".")[0] == "datasets" and cls.__name__ in (
-            "Dataset", "IterableDataset", "DatasetDict", "IterableDatasetDict",
-        ):  # fmt: skip
-            return cls.__name__
-    return None
 
 
 def input_list(inputs: Any) -> list[Any]:
@@ -143,7 +107,7 @@ def _list_local(path: Path) -> list[Path]:
         for p in _walk(path)
         if not any(part[0] in "._" for part in p.relative_to(path).parts)
     ]
-    chosen = _hf_layout(str(path), relative, lambda parts: path.joinpath(*parts).read_bytes())
+    chosen = hf_layout(str(path), relative, lambda parts: path.joinpath(*parts).read_bytes())
     if not chosen:
         raise ValueError(f"folder {path} holds no input files ({_supported()})")
     return [path.joinpath(*parts) for parts in chosen]
@@ -191,7 +155,7 @@ def _list_url(url: str) -> list[InputPath]:
             for parts in (p[len(base) + 1 :].split("/") for p in fs.find(root))
             if not any(not part or part[0] in "._" for part in parts)  # "" from a key like a//b
         ]
-        chosen = _hf_layout(url, relative, lambda parts: fs.cat_file(f"{base}/{'/'.join(parts)}"))
+        chosen = hf_layout(url, relative, lambda parts: fs.cat_file(f"{base}/{'/'.join(parts)}"))
     except FileNotFoundError:
         raise
     except OSError as err:  # unreachable host, refused connection, no permission
@@ -199,67 +163,6 @@ def _list_url(url: str) -> list[InputPath]:
     if not chosen:
         raise ValueError(f"folder {url} holds no input files ({_supported()})")
     return [url.rstrip("/") + "/" + "/".join(parts) for parts in chosen]
-
-
-HF_CARD_FILES = ("README.md", "dataset_infos.json")  # a Hub dataset's card, beside its data
-
-
-_SPLIT_FILE = re.compile(r"^(?P<split>[^/]+?)-\d{5}-of-\d{5}\.(?:parquet|arrow)$")
-
-
-def _hf_layout(
-    root: str, relative: list[tuple[str, ...]], read: Callable[[tuple[str, ...]], bytes]
-) -> list[tuple[str, ...]]:
-    """The files of a folder to read, sorted, given every file's path parts below it.
-
-    Folders written by `datasets` are recognised: `Dataset.save_to_disk` (`state.json`,
-    `dataset_info.json`: its Arrow data files, nothing else), `DatasetDict.save_to_disk`
-    (`dataset_dict.json`: refused, naming its splits) and Hub files of several splits
-    (`<split>-00000-of-00003.parquet`: refused, as reading them all would mix the splits).
-    """
-    present = set(relative)
-    for parts in sorted(present):
-        if parts[-1] == "dataset_dict.json":
-            where = "/".join((root, *parts[:-1]))
-            names = json.loads(read(parts)).get("splits", [])
-            raise ValueError(
-                f"{where} holds a DatasetDict saved by datasets (splits: {', '.join(names)}); "
-                f"pass one split's folder, such as {where}/{names[0] if names else 'train'}"
-            )
-    saved = {
-        p[:-1]
-        for p in present
-        if p[-1] == "state.json" and (*p[:-1], "dataset_info.json") in present
-    }
-    keep: list[tuple[str, ...]] = []
-    for folder in sorted(saved):
-        state = json.loads(read((*folder, "state.json")))
-        data = [(*folder, entry["filename"]) for entry in state.get("_data_files", [])]
-        missing = [p for p in data if p not in present]
-        if missing:
-            raise FileNotFoundError(
-                f"{'/'.join((root, *missing[0]))}: listed in state.json but missing"
-            )
-        keep += data
-
-    def inside(parts: tuple[str, ...]) -> bool:
-        return any(parts[: len(folder)] == folder for folder in saved)
-
-    keep += [p for p in present if not inside(p) and p[-1] not in HF_CARD_FILES]
-    splits: dict[str, tuple[str, ...]] = {}  # split -> one of its files
-    for parts in sorted(keep):
-        match = _SPLIT_FILE.match(parts[-1])
-        if match is not None and not inside(parts):
-            splits.setdefault(match["split"], parts)
-    if len(splits) > 1:
-        pick = "train" if "train" in splits else sorted(splits)[0]
-        example = "/".join((root, *splits[pick][:-1], f"{pick}-*"))
-        raise ValueError(
-            f"folder {root} holds the splits {', '.join(sorted(splits))} (Hugging Face file "
-            f"names <split>-NNNNN-of-NNNNN); reading them all would mix them: pass one "
-            f"split's files, such as {example}"
-        )
-    return sorted(keep)
 
 
 def _filesystem(url: str) -> tuple[Any, str]:

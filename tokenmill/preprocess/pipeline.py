@@ -27,8 +27,8 @@ from tokenmill.preprocess.chunks import ChunkResult
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.engine import make_engine
 from tokenmill.preprocess.filters import FILTER_REASONS
+from tokenmill.preprocess.hf_inputs import DatasetInput
 from tokenmill.preprocess.inputs import (
-    DatasetInput,
     InputPath,
     input_identity,
     input_list,

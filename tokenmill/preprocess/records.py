@@ -20,8 +20,8 @@ import orjson
 import pyarrow as pa
 import zstandard
 
+from tokenmill.preprocess.hf_inputs import DatasetInput
 from tokenmill.preprocess.inputs import (
-    DatasetInput,
     InputPath,
     dataset_batches,
     input_suffix,
