@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
+import numpy as np
+import orjson
 import pytest
-from helpers import TOKENIZERS
+from helpers import ROOT, TOKENIZERS
 
+from tokenmill.preprocess.chunks import encode_ahead
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.presets import default_config
+from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
 
 TEXTS = ["Hello world.", "  leading spaces and\nnew lines", "数据 and δέλτα", ""]
@@ -53,3 +59,33 @@ def test_plain_text_gets_the_special_tokens_its_tokenizer_would_add(family, gpt2
         out = RecordMasker(default_config("seq"), bundle).process({"text": "A document." * 9})
         assert out["sequence"][0] != bundle.bos_id  # a document never starts with a stray BOS
         assert out["sequence"][-1] == bundle.eos_id  # the section asked for its EOS
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "deepseek-v3"])
+@pytest.mark.parametrize("bos", [None, False])
+def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
+    """Pretraining text is encoded a chunk at a time without offsets (encode_batch_fast);
+    every array equals a record-by-record encode's, and a text past max_chars is not encoded."""
+    data = default_config("seq").model_dump(mode="json")
+    data["input"]["sections"][0]["add_special_tokens"] = bos
+    data["preprocessing"].update(max_chars=20_000)
+    config = PipelineConfig.from_dict(data)
+    lines = (ROOT / "data" / "pretrain_c4_300.jsonl").read_text().splitlines()[:40]
+    records = [Record("c4.jsonl", i, orjson.loads(line)) for i, line in enumerate(lines, 1)]
+    records += [Record("c4.jsonl", 41, {"text": TEXTS[2] * 3}), Record("c4.jsonl", 42, {"x": 1})]
+    records.append(Record("c4.jsonl", 43, {"text": "x" * 20_001}))
+    bundle = load_tokenizer(TOKENIZERS / family)
+    one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
+    ahead.ahead = encode_ahead(ahead, records)
+    assert len(ahead.ahead) == 41  # not the text past max_chars, nor the record without one
+    for record in records:
+        try:
+            expected = one.process_counted(record)[0]
+        except RecordError as err:
+            with pytest.raises(RecordError, match=re.escape(err.message)):
+                ahead.process_counted(record)
+            continue
+        got = ahead.process_counted(record)[0]
+        assert got.keys() == expected.keys()
+        assert all(np.array_equal(got[k], expected[k]) for k in got)
+    assert not ahead.ahead  # every text encoded ahead was used

@@ -97,6 +97,29 @@ def setup_worker(config_data: dict, tokenizer_path: str) -> None:
     _MASKER = RecordMasker(config, load_tokenizer(tokenizer_path))
 
 
+def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
+    """Pretraining text (one plain text section): the chunk's texts encoded in one batch
+    without character offsets (`encode_batch_fast`; only chat masks need offsets), which
+    costs about a fifth less tokenizer time than an `encode` per record, for the same ids.
+    Texts past max_chars are left out: the length filter drops them before any encode."""
+    sections, config = masker.config.input.sections, masker.config
+    if config.multi_output or len(sections) != 1 or sections[0].template:
+        return {}
+    field, limit = sections[0].field, config.preprocessing.max_chars
+    add_special = sections[0].add_special_tokens
+    texts = [
+        text
+        for record in records
+        if isinstance(record.data, dict)
+        and isinstance(text := record.data.get(field), str)
+        and len(text) <= limit
+    ]
+    encodings = masker.bundle.tokenizer.encode_batch_fast(
+        texts, add_special_tokens=add_special is not False
+    )
+    return {id(text): (text, e.ids) for text, e in zip(texts, encodings, strict=True)}
+
+
 def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResult:
     """A chunk's rows, per domain, and its ledger: every record and token read is written or
     dropped by reason (bad records, filters, truncation, packing overflow)."""
@@ -109,6 +132,7 @@ def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResu
     for _ in chunk.read_errors:  # unreadable: no domain, no tokens
         _ledger(ledgers, "").records_read += 1
         _ledger(ledgers, "").drop("bad_record", 1, 0)
+    masker.ahead = encode_ahead(masker, chunk.records)
     by_domain: dict[str, list[dict]] = {}
     for record in chunk.records:
         try:

@@ -65,6 +65,8 @@ def _pool_worker(parent: int, config_data: dict, tokenizer_path: str) -> None:
     OOM killer does not stop a pool's workers; each holds a tokenizer's memory)."""
     from tokenmill.preprocess.chunks import setup_worker
 
+    # a worker per core: a batched encode on threads of its own would crowd the other workers
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     setup_worker(config_data, tokenizer_path)
 

@@ -38,6 +38,7 @@ class RecordMasker(OutputLayout):
         self.bundle = bundle
         self._dtypes = self.dtypes()
         self.roles = config.known_roles()
+        self.ahead: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
         sections = [*config.input.sections]
         sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
         if any(s.train_spans == "generation" for s in sections):
@@ -288,7 +289,9 @@ class RecordMasker(OutputLayout):
         add_special = (
             section.add_special_tokens if section.add_special_tokens is not None else first
         )
-        ids = encode_text(self.bundle, value, add_special_tokens=add_special)
+        text, ahead = self.ahead.pop(id(value), (None, None))
+        ahead = ahead if text is value else None
+        ids = encode_text(self.bundle, value, add_special_tokens=add_special, ids=ahead)
         mask = np.full(len(ids), section.action == "train", dtype=bool)
         if (
             add_special

@@ -123,12 +123,15 @@ def _chat_template(config: dict[str, Any], config_file: Path) -> str | None:
     raise ValueError(f"{config_file}: chat_template: expected a string or a list with a 'default'")
 
 
-def encode_text(bundle: TokenizerBundle, text: str, add_special_tokens: bool) -> np.ndarray:
+def encode_text(
+    bundle: TokenizerBundle, text: str, add_special_tokens: bool, ids: list[int] | None = None
+) -> np.ndarray:
     """Token ids of plain text, with special tokens as the tokenizer's own `encode` puts them:
     its tokenizer.json post-processor, and one leading BOS only where tokenizer_config.json
     sets `add_bos_token` (as transformers does). A GPT-2-style folder that names a BOS token
-    but does not add it gets none."""
-    ids = bundle.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    but does not add it gets none. `ids`: the same text's encoding, made ahead in a batch."""
+    if ids is None:
+        ids = bundle.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
     if add_special_tokens and bundle.add_bos_token and bundle.bos_id is not None:
         if ids[:1] != [bundle.bos_id]:
             ids = [bundle.bos_id, *ids]
