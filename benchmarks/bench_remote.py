@@ -10,6 +10,10 @@ shuffled, `workers` DataLoader workers), reading one epoch:
   from the server during the epoch;
 - bucket, warm: the same again, every shard already in the cache.
 
+- bucket, small cache: a shuffled epoch of another dataset (many small shards) through a
+  cache half its size, with the fetches ahead of the sample order and without them
+  (`training.prefetch.ORDER_LOOKAHEAD` = 0), interleaved, each from an empty cache.
+
 Figures: first-batch latency (from iter() to the first batch, worker start-up included) and
 steady-state tokens/s (the batches after the first); local and warm are medians of `repeats`
 interleaved runs. The floor for the cold run is the server itself: a plain parallel `get`
@@ -40,6 +44,7 @@ from tokenmill.dataflow import DataflowLoader, MapDistributor
 from tokenmill.shards.manifest import write_manifest
 from tokenmill.shards.remote import Remote
 from tokenmill.shards.writer import ShardWriter
+from tokenmill.training import prefetch
 from tokenmill.training.dataset_factory import DatasetFactory
 
 WINDOW, BATCH = 2048, 8
@@ -172,6 +177,8 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
             for k in ("load_s", "first_batch_s", "tokens_per_s")
         }
 
+    small = small_cache(work, endpoint, workers, repeats)
+
     print(f"dataset: {shards} shards, {shards * tokens:,} tokens, {size / 1e6:,.0f} MB; "
           f"windows of {WINDOW}, batches of {BATCH}, {workers} workers; "
           f"local and warm: median of {repeats}")  # fmt: skip
@@ -182,6 +189,11 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
     print(f"plain parallel get of the objects: {plain / 1e6:,.0f} MB/s; cold run's downloads: "
           f"{cold_bytes / 1e6:,.0f} MB/s ({watch.seconds:.2f} s from first bytes to last shard)")  # fmt: skip
     print("cold cache counts:", json.dumps({k: v for k, v in cold["stats"].items() if v}))
+    print(f"bucket, small cache ({small['shards']} shards of {small['shard_mb']:.2f} MB, cache "
+          f"half the dataset, shuffled, median of {repeats}): without fetches ahead of the order "
+          f"{small['without s']:.2f} s/epoch ({small['without downloads']} downloads), with "
+          f"{small['with s']:.2f} s ({small['with downloads']}): "
+          f"{small['without s'] / small['with s']:.2f}x faster")  # fmt: skip
     local_rate = results["local"]["tokens_per_s"]
     warm = results["bucket, warm"]
     return {
@@ -196,7 +208,45 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
         "plain get MB/s": plain / 1e6,
         "cold download MB/s": cold_bytes / 1e6,
         "cold download / plain get ratio": cold_bytes / plain,
+        "small cache epoch s, no lookahead": small["without s"],
+        "small cache epoch s, lookahead": small["with s"],
+        "small cache lookahead speedup": small["without s"] / small["with s"],
     }
+
+
+def small_cache(
+    work: Path, endpoint: str, workers: int, repeats: int, shards: int = 128, tokens: int = 32_768
+) -> dict:
+    """One shuffled epoch through a cache half the dataset's size, with and without the
+    fetches ahead of the sample order (interleaved, each from an empty cache): seconds."""
+    options = {"endpoint_url": endpoint}
+    local = write_dataset(work / "small", shards, tokens)
+    files = sorted(p for p in local.rglob("*") if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    url = "s3://bench/small"
+    Remote(url, options).put([(p, p.relative_to(local).as_posix()) for p in files])
+    saved = prefetch.ORDER_LOOKAHEAD
+    times: dict[str, list[float]] = {"without": [], "with": []}
+    downloads: dict[str, int] = {}
+    try:
+        for r in range(repeats):
+            for name, look in (("without", 0), ("with", saved)):
+                prefetch.ORDER_LOOKAHEAD = look  # forked workers inherit it
+                cache = work / f"small-cache-{name}-{r}"
+                dataset = DatasetFactory.load("seq", url, window_size=WINDOW, cache_dir=cache,
+                                              cache_limit=size // 2, storage_options=options)  # fmt: skip
+                start = time.perf_counter()
+                epoch(dataset, workers)
+                times[name].append(time.perf_counter() - start)
+                downloads[name] = dataset.store.cache_stats()["downloads"]
+                shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        prefetch.ORDER_LOOKAHEAD = saved
+    return {
+        "shards": shards, "shard_mb": size / shards / 1e6,
+        "without s": statistics.median(times["without"]), "with s": statistics.median(times["with"]),
+        "without downloads": downloads["without"], "with downloads": downloads["with"],
+    }  # fmt: skip
 
 
 class Watch(threading.Thread):

@@ -3,8 +3,7 @@
 DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator. A distributor owns
 the raw data and decides each data-parallel rank's stream. Built-ins give that stream as
 cheap indices (`indices`) and read an item only in `fetch`, so the loader can hand each worker
-whole groups without reading what other workers read.
-"""
+whole groups without reading what other workers read."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from typing import Any
 from tokenmill.dataflow.batchers import token_count
 from tokenmill.dataflow.provenance import check_one_tokenizer
 from tokenmill.shards.format import trained_count
+from tokenmill.training.prefetch import order_read_ahead
 from tokenmill.training.state import (
     STATE_VERSION,
     check_state,
@@ -40,8 +40,7 @@ __all__ = [
 
 
 class DataDistributor(ABC):
-    """Owns the raw dataset, shards it disjointly across DP ranks x workers, shuffles, and
-    carries resume state."""
+    """Owns the raw dataset, shards it across DP ranks x workers, shuffles, carries state."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -109,7 +108,8 @@ class MapDistributor(_IndexedDistributor):
 
     Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
     count of consumed positions: O(1) to resume, under any world size. Streams `num_epochs`
-    epochs, or indefinitely; `drop_last` as in `RDSampler`."""
+    epochs, or indefinitely; `drop_last` as in `RDSampler`. Shards in a bucket are fetched
+    ahead of the order (`training.prefetch.OrderReadAhead`)."""
 
     def __init__(
         self,
@@ -132,6 +132,7 @@ class MapDistributor(_IndexedDistributor):
         n = len(self.dataset)
         if self.drop_last and n < dp_world_size:
             raise ValueError(f"drop_last with {n} items and {dp_world_size} ranks leaves no items")
+        ahead = order_read_ahead(self.dataset, self.seed, self.shuffle)  # None: shards on disk
         while self.num_epochs is None or self.epoch < self.num_epochs:
             epoch, start = self.epoch, self.consumed
             end = epoch_end(n, start, dp_world_size, self.drop_last)
@@ -139,6 +140,8 @@ class MapDistributor(_IndexedDistributor):
                 start + dp_rank, end, dp_world_size, n, self.seed, epoch, self.shuffle
             )
             for position, index in zip(range(start + dp_rank, end, dp_world_size), order):
+                if ahead is not None:  # shards fetched ahead of the order (data in a bucket)
+                    ahead(position, end, dp_world_size, epoch)
                 done = position - dp_rank + dp_world_size  # every rank is past this round
                 self.epoch, self.consumed = (epoch + 1, 0) if done >= end else (epoch, done)
                 yield index
@@ -179,8 +182,7 @@ class MapDistributor(_IndexedDistributor):
 
 class IterableDistributor(_IndexedDistributor):
     """Any re-iterable (a list, an IterableDataset): item k goes to rank k % dp_world_size.
-    An iterable cannot seek, so resuming reads the consumed items again and drops them; the
-    stream ends with the iterable."""
+    Resuming reads the consumed items again and drops them; the stream ends with the iterable."""
 
     def __init__(self, iterable: Iterable[Any]) -> None:
         if iter(iterable) is iterable:

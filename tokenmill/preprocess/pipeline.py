@@ -103,7 +103,8 @@ class Pipeline:
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> Summary:
         """The whole run, holding the output's lock: one run writes an output at a time."""
-        with output_lock(self._out):
+        bucket_lock = self.bucket.held() if self.bucket else contextlib.nullcontext()
+        with output_lock(self._out), bucket_lock:  # a bucket output: its lock in the bucket too
             return self._run()
 
     def _run(self) -> Summary:

@@ -16,17 +16,20 @@ missing; whatever follows (a shard without `meta.json`, one past a gap) is delet
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 import xxhash
 
+from tokenmill.preprocess.bucket_lock import LOCK, BucketLock
 from tokenmill.preprocess.runlog import Summary, part_info, shard_info
 from tokenmill.shards.format import FORMAT_VERSION, RUN_DIR
 from tokenmill.shards.remote import Remote
@@ -64,6 +67,16 @@ class BucketOutput:
         self._queue: queue.Queue = queue.Queue(IN_FLIGHT)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.lock = BucketLock(self.remote)  # held by the run, inside the staging folder's lock
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The prefix's lock in the bucket (`bucket_lock.py`), for the whole run."""
+        self.lock.acquire()
+        try:
+            yield
+        finally:
+            self.lock.release()
 
     def __str__(self) -> str:
         return self.url
@@ -88,7 +101,8 @@ class BucketOutput:
     def _prepare(self, run_id: str, inputs: list[list], overwrite: bool) -> Summary | None:
         shutil.rmtree(self.local, ignore_errors=True)
         (self.local / RUN_DIR).mkdir(parents=True)
-        listing = self.remote.listing()
+        self.lock.set_run_id(run_id)
+        listing = {k: v for k, v in self.remote.listing().items() if k != LOCK}
         ours = "manifest.json" in listing or any(k.startswith(RUN_DIR + "/") for k in listing)
         if overwrite and listing:
             if not ours:
@@ -253,6 +267,7 @@ class BucketOutput:
         manifest.json (the commit point), then the run folder removed, here and there."""
         self._stop()
         self._raise_failed()
+        self.lock.check()  # a run whose lock another took over never commits
         if (self.local / "rejects.jsonl").exists():
             self.remote.put([(self.local / "rejects.jsonl", "rejects.jsonl")])
         self.remote.put([(self.local / "manifest.json", "manifest.json")])
@@ -265,7 +280,7 @@ class BucketOutput:
         self._error = self._error or RuntimeError("the run stopped")
         self._stop()
         if remove:
-            self.remote.remove_all()
+            self.remote.remove([k for k in self.remote.listing() if k != LOCK])
             shutil.rmtree(self.local, ignore_errors=True)
 
 

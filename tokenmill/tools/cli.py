@@ -19,6 +19,7 @@ from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.engine import ENGINES
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS, default_config
 from tokenmill.preprocess.records import ON_ERROR
+from tokenmill.tools.bucket import parse_storage_options
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,28 +54,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-address", default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--json", action="store_true", help="print the run's summary as JSON")
-    p.add_argument(
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an fsspec storage option for a URL output (value read as JSON if it parses), "
-        "such as endpoint_url=http://minio:9000; repeat for more",
-    )
+    storage_option(p)
 
     v = sub.add_parser("verify", help="check every shard's sizes, offsets and checksums")
-    v.add_argument("dataset")
+    v.add_argument("dataset", help="a dataset folder, or its URL (s3://bucket/prefix, ...)")
     v.add_argument("--json", action="store_true", help="print the problems found as JSON")
+    storage_option(v)
 
     i = sub.add_parser("inspect", help="per-domain counts, lengths, trained share, provenance")
-    i.add_argument("dataset")
+    i.add_argument("dataset", help="a dataset folder, or its URL (s3://bucket/prefix, ...)")
+    storage_option(i)
     i.add_argument("--json", action="store_true", help="print JSON for machines")
     i.add_argument(
         "--plot", metavar="PNG", help="write a length histogram and trained share picture"
     )
 
     s = sub.add_parser("show", help="one sample decoded, trained and masked tokens told apart")
-    s.add_argument("target", help="a dataset folder, or raw records (.jsonl/.json/.parquet)")
+    s.add_argument("target", help="a dataset folder or URL, or raw records (.jsonl/.json/.parquet)")
+    storage_option(s)
     s.add_argument("--index", type=int, default=0)
     s.add_argument(
         "--type",
@@ -180,21 +177,24 @@ def print_result(result: dict[str, Any], as_json: bool, text: str) -> None:
     print(json.dumps(result, indent=2) if as_json else text)
 
 
+def storage_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec storage option for a URL (value read as JSON if it parses), "
+        "such as endpoint_url=http://minio:9000; repeat for more",
+    )
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from tokenmill.preprocess.pipeline import Pipeline
 
     if bool(args.config) == bool(args.type):
         raise ValueError("give exactly one of --config and --type")
     config = PipelineConfig.from_file(args.config) if args.config else default_config(args.type)
-    options = {}
-    for option in args.storage_option:
-        key, sep, value = option.partition("=")
-        if not sep:
-            raise ValueError(f"--storage-option {option!r}: expected KEY=VALUE")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
+    options = parse_storage_options(args.storage_option)
     url = "://" in args.output  # a bucket: kept as a string (a Path would merge its //)
     summary = Pipeline(
         config,
@@ -222,12 +222,12 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from tokenmill.tools.inspect import dataset_stats, format_stats, plot_stats
+    from tokenmill.tools.bucket import inspect
+    from tokenmill.tools.inspect import format_stats
 
-    stats = dataset_stats(args.dataset)
+    stats = inspect(args.dataset, parse_storage_options(args.storage_option), args.plot)
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats))
     if args.plot:
-        plot_stats(args.dataset, stats, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -240,14 +240,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         config = PipelineConfig.from_file(args.config)
     elif args.type:
         config = default_config(args.type)
-    print(show(args.target, args.index, args.tokenizer, config, use_color(args.color), args.ids))
+    options = parse_storage_options(args.storage_option) or None
+    color = use_color(args.color)
+    print(show(args.target, args.index, args.tokenizer, config, color, args.ids, options))
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tokenmill.shards.verify import verify_dataset
+    from tokenmill.tools.bucket import verify
 
-    problems = verify_dataset(Path(args.dataset))
+    problems = verify(args.dataset, parse_storage_options(args.storage_option) or None)
     text = "\n".join(
         [*problems, f"{args.dataset}: {'OK' if not problems else f'{len(problems)} problem(s)'}"]
     )

@@ -133,13 +133,22 @@ def show(
     config: PipelineConfig | None,
     color: bool,
     show_ids: bool,
+    storage_options: dict[str, Any] | None = None,
 ) -> str:
+    """Sample `index` of a dataset folder, a dataset at a URL (s3://..., one shard downloaded)
+    or raw records (with a config and a tokenizer), decoded."""
     path = Path(target)
-    if path.is_dir() and any(path.rglob("meta.json")):
-        sample, manifest_tokenizer = sample_from_shards(path, index)
+    url = "://" in target
+    if url or (path.is_dir() and any(path.rglob("meta.json"))):
+        if url:
+            from tokenmill.tools.bucket import record_from_url
+
+            sample, manifest_tokenizer = record_from_url(target, index, storage_options)
+        else:
+            sample, manifest_tokenizer = sample_from_shards(path, index)
         tokenizer = tokenizer or manifest_tokenizer
         if tokenizer is None:
-            raise ValueError(f"{path}: the manifest names no tokenizer; pass --tokenizer")
+            raise ValueError(f"{target}: the manifest names no tokenizer; pass --tokenizer")
         return format_sample(load_tokenizer(tokenizer), sample, color, show_ids)
     if config is None or tokenizer is None:
         raise ValueError("raw records need a config (-c or --type) and --tokenizer")

@@ -20,12 +20,10 @@ matches; a file or folder removed under a running job is fetched again.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import threading
 import time
@@ -34,18 +32,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
 from tokenmill.shards.files import file_checksum
-from tokenmill.shards.format import DTYPES, OFFSET_DTYPE, Column, checksum
-from tokenmill.shards.reader import map_array, map_bounds, map_shard, read_meta
+from tokenmill.shards.format import Column
+from tokenmill.shards.reader import map_shard, read_meta
 from tokenmill.shards.remote import STATS, Remote
+from tokenmill.training.cache_files import (
+    CacheStats,
+    map_keys,
+    matches,
+    meta_ok,
+    read_checked,
+    shard_files,
+    write_checked,
+)
+from tokenmill.training.eviction import evict, usage
 
 log = logging.getLogger("tokenmill.cache")
 
-CHECKED = ".checked"
 ATTEMPTS = 3  # opens of one shard before giving up on a cache that keeps changing under us
+SEEN_S = 1.0  # a shard known present is looked at (and marked used) again after this long
 
 
 def default_cache_dir() -> Path:
@@ -53,39 +60,6 @@ def default_cache_dir() -> Path:
     return Path(
         os.environ.get("TOKENMILL_CACHE") or Path.home() / ".cache" / "tokenmill" / "shards"
     )
-
-
-def shard_files(meta: dict, keys: list[str] | None = None, values: bool = True) -> list[tuple]:
-    """(file name, bytes, xxh64 or None) of the files `keys` of a shard need: each key's
-    `.bin` (unless `values` is False: offsets and items only) and its bounds files."""
-    files = []
-    for key in keys if keys is not None else list(meta):
-        entry = meta[key]
-        if values:
-            size = entry["shape"][0] * DTYPES[entry["dtype"]].itemsize
-            files.append((f"{key}.bin", size, entry.get("xxh64")))
-        for part in ("offsets", "items"):
-            bounds = entry.get(part)
-            if isinstance(bounds, dict):
-                size = bounds["count"] * OFFSET_DTYPE.itemsize
-                files.append((bounds["file"], size, bounds.get("xxh64")))
-    return files
-
-
-class CacheStats:
-    """This process's counts, also kept on disk (`stats/<host>-<pid>.json`) so that one
-    process can read what all of the machine's did (`ShardCache.stats()`)."""
-
-    NAMES = ("hits", "downloads", "download_bytes", "evictions", "refetched", "rechecked")
-
-    def __init__(self) -> None:
-        self.counts = dict.fromkeys(self.NAMES, 0)
-        self.lock = threading.Lock()
-
-    def add(self, **counts: int) -> None:
-        with self.lock:
-            for name, n in counts.items():
-                self.counts[name] += n
 
 
 class ShardCache:
@@ -106,6 +80,12 @@ class ShardCache:
         self._stats = CacheStats()
         self._pid = os.getpid()
         self._warned = False
+        # this process's record of the shards it knows whole in the cache (rel -> when last
+        # seen there, monotonic); of those its sample order reads next (never evicted); and
+        # of those it reads after them (rel -> how soon: evicted last, the latest first)
+        self.present: dict[str, float] = {}
+        self.keep: set[str] = set()
+        self.later: dict[str, int] = {}
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -115,6 +95,7 @@ class ShardCache:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._stats, self._pid = CacheStats(), os.getpid()
+        self.present, self.keep, self.later = {}, set(), {}
 
     @property
     def counts(self) -> CacheStats:
@@ -132,7 +113,7 @@ class ShardCache:
         for rel, info in listed:
             path = self.dir / "meta" / rel / "meta.json"
             data = path.read_bytes() if path.is_file() else None
-            if data is not None and _meta_ok(data, info):
+            if data is not None and meta_ok(data, info):
                 out[rel] = data
             else:
                 missing.append(rel)
@@ -140,10 +121,10 @@ class ShardCache:
         wanted = dict(listed)
         for rel in missing:
             data = fetched[f"{rel}/meta.json"]
-            if not _meta_ok(data, wanted[rel]):
+            if not meta_ok(data, wanted[rel]):
                 data = self.remote.cat(f"{rel}/meta.json")  # once more, then refuse
                 STATS.add(refetches=1)
-                if not _meta_ok(data, wanted[rel]):
+                if not meta_ok(data, wanted[rel]):
                     raise ValueError(
                         f"{self.remote.where(rel)}/meta.json: xxh64 differs from manifest.json's "
                         "after two downloads; the dataset in the bucket is corrupted"
@@ -179,9 +160,11 @@ class ShardCache:
                 with self._locked(rel, exclusive=False) as lock:
                     shard = self.ensure_locked(rel, meta, files, lock)
                     if keys is None and values:
+                        self.present[rel] = time.monotonic()
                         return map_shard(shard, meta)
-                    return _map_keys(shard, meta, keys or list(meta), values)
+                    return map_keys(shard, meta, keys or list(meta), values)
             except FileNotFoundError:  # the cache changed under us (evicted, removed): again
+                self.present.pop(rel, None)
                 if attempt == ATTEMPTS - 1:
                     raise
         raise AssertionError("unreachable")
@@ -193,11 +176,34 @@ class ShardCache:
         try:
             with self._locked(rel, exclusive=False, wait=wait) as lock:
                 self.ensure_locked(rel, meta, files, lock)
+            self.present[rel] = time.monotonic()
             return True
         except BlockingIOError:
             return False
         except FileNotFoundError:
+            self.present.pop(rel, None)
             return False
+
+    def known(self, rel: str) -> bool:
+        """Whether this process knows a shard whole in the cache: a dict lookup. Where the
+        cache has a limit (shards may be evicted, by any process), a shard not seen for
+        `SEEN_S` is looked at again and marked as just used (one utime), so that the least
+        recently used go first and the shards about to be read last."""
+        seen = self.present.get(rel)
+        if seen is None:
+            return False
+        if self.limit is None:
+            return True
+        now = time.monotonic()
+        if now - seen < SEEN_S:
+            return True
+        try:
+            os.utime(self.dir / "shards" / rel)
+        except FileNotFoundError:  # evicted (by another process) or removed
+            self.present.pop(rel, None)
+            return False
+        self.present[rel] = now
+        return True
 
     def cached(self, rel: str, meta: dict) -> bool:
         """Whether every file of a shard is in the cache (a stat per file; not checked)."""
@@ -224,7 +230,7 @@ class ShardCache:
 
     def _check(self, shard: Path, files: list[tuple]) -> list[tuple]:
         """The files that are missing, or not as they were when checked (hashed again then)."""
-        checked = _read_checked(shard)
+        checked = read_checked(shard)
         bad, changed = [], False
         for name, size, digest in files:
             try:
@@ -244,7 +250,7 @@ class ShardCache:
                 )
                 bad.append((name, size, digest))
         if changed:
-            _write_checked(shard, checked)
+            write_checked(shard, checked)
         return bad
 
     def _download(self, rel: str, shard: Path, files: list[tuple]) -> None:
@@ -263,7 +269,7 @@ class ShardCache:
                     [(f"{rel}/{name}", temps[name]) for name, _, _ in todo],
                     [size for _, size, _ in todo],
                 )
-                wrong = [f for f in todo if not _matches(temps[f[0]], f[1], f[2])]
+                wrong = [f for f in todo if not matches(temps[f[0]], f[1], f[2])]
                 if not wrong:
                     break
                 if attempt == 2:
@@ -279,12 +285,12 @@ class ShardCache:
                     "%s: %d file(s) did not match meta.json; fetching again", rel, len(wrong)
                 )
                 todo = wrong
-            checked = _read_checked(shard)
+            checked = read_checked(shard)
             for name, _, _ in files:
                 os.replace(temps[name], shard / name)
                 st = os.stat(shard / name)
                 checked[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
-            _write_checked(shard, checked)
+            write_checked(shard, checked)
         finally:
             for tmp in temps.values():
                 tmp.unlink(missing_ok=True)
@@ -308,62 +314,31 @@ class ShardCache:
             os.close(fd)  # releases the lock
 
     # --- eviction ------------------------------------------------------------------------
-    def usage(self) -> list[tuple[float, Path, Path, int]]:
-        """(last use, shard folder, its dataset folder, bytes) of every shard in the cache
-        folder, of every dataset in it."""
-        found = []
-        for dataset in self.root.iterdir() if self.root.is_dir() else []:
-            base = dataset / "shards"
-            for folder, _, names in os.walk(base):
-                if CHECKED not in names:
-                    continue
-                try:
-                    size = sum(
-                        os.path.getsize(os.path.join(folder, n)) for n in names if n[0] != "."
-                    )
-                    found.append((os.stat(folder).st_mtime, Path(folder), dataset, size))
-                except FileNotFoundError:
-                    continue
-        return found
-
     def _make_room(self, need: int, keep: Path) -> None:
         """Evicts the least recently used shards (of any dataset in the folder) until `need`
-        more bytes fit under the limit; shards being read or downloaded are skipped."""
+        more bytes fit under the limit; shards being read or downloaded are skipped, and so
+        are this process's `keep` (the shards its sample order reads next)."""
         if self.limit is None:
             return
-        entries = self.usage()
-        total = sum(size for *_, size in entries)
-        for _, folder, dataset, size in sorted(entries, key=lambda e: e[0]):
-            if total + need <= self.limit:
-                return
-            if folder == keep:
-                continue
-            rel = folder.relative_to(dataset / "shards").as_posix()
-            lock = dataset / "locks" / (rel.replace("/", "__") + ".lock")
-            try:
-                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-            except FileNotFoundError:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                trash = self.root / ".trash" / uuid.uuid4().hex
-                trash.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(folder, trash)
-            except OSError as err:  # in use (EWOULDBLOCK) or already gone
-                if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOENT):
-                    raise
-                continue
-            finally:
-                os.close(fd)
-            shutil.rmtree(trash, ignore_errors=True)
-            total -= size
-            self.counts.add(evictions=1)
+        shards = self.dir / "shards"
+        kept = {keep, *(shards / rel for rel in self.keep)}
+        later = {shards / rel: rank for rel, rank in self.later.items()}
+        evicted, total = evict(self.root, self.limit, need, kept, later)
+        for dataset, rel in evicted:
+            if dataset == self.dir:
+                self.present.pop(rel, None)
+        if evicted:
+            self.counts.add(evictions=len(evicted))
         if total + need > self.limit and not self._warned:
             self._warned = True
             log.warning(
                 "%s: the cache holds %d bytes in shards being read; the limit of %d is passed "
                 "until they are released", self.root, total + need, self.limit,
             )  # fmt: skip
+
+    def usage(self) -> list[tuple[float, Path, Path, int]]:
+        """(last use, shard folder, its dataset folder, bytes) of every shard in the folder."""
+        return usage(self.root)
 
     # --- counters ------------------------------------------------------------------------
     def _save_stats(self) -> None:
@@ -390,47 +365,3 @@ class ShardCache:
             except (OSError, ValueError):
                 continue
         return total
-
-
-def _meta_ok(data: bytes, info: dict) -> bool:
-    return "meta_xxh64" not in info or checksum(data) == info["meta_xxh64"]
-
-
-def _matches(path: Path, size: int, digest: str | None) -> bool:
-    try:
-        if path.stat().st_size != size:
-            return False
-    except FileNotFoundError:
-        return False
-    return digest is None or file_checksum(path) == digest
-
-
-def _read_checked(shard: Path) -> dict[str, list[int]]:
-    try:
-        return json.loads((shard / CHECKED).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_checked(shard: Path, checked: dict) -> None:
-    tmp = shard / f"{CHECKED}.{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
-    tmp.write_text(json.dumps(checked))
-    os.replace(tmp, shard / CHECKED)
-
-
-def _map_keys(shard: Path, meta: dict, keys: list[str], values: bool) -> dict[str, Column]:
-    """Some keys of a shard mapped; without values, a key's values are an empty array and
-    only its offsets and items are read (a dataset's lengths at load)."""
-    columns = {}
-    for key in keys:
-        entry = meta[key]
-        count = entry["shape"][0]
-        vals = (
-            map_array(shard / f"{key}.bin", entry["dtype"], count, key)
-            if values
-            else np.empty(0, DTYPES[entry["dtype"]])
-        )
-        items = map_bounds(shard, key, entry.get("items"), count)
-        below = count if items is None else len(items) - 1
-        columns[key] = Column(vals, map_bounds(shard, key, entry.get("offsets"), below), items)
-    return columns
