@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from tokenmill.dataflow.batchers import (
     SampleBatcher,
     SequentialPackingBatcher,
     SimpleBatcher,
+    pool_groups,
     token_count,
 )
 from tokenmill.preprocess.packing import best_fit
@@ -159,3 +161,12 @@ def test_token_count_covers_each_train_type():
     )
     with pytest.raises(KeyError, match="pass size_fn"):
         token_count({"pixels": torch.arange(3)})
+
+
+def test_a_remembered_pool_plan_is_best_fit_of_the_pool():
+    """Pools of one size pattern plan once; each plan is best_fit's, positions in order."""
+    rng = np.random.default_rng(0)
+    for sizes in [[5] * 12, rng.integers(1, 11, 40).tolist(), [3, 7, 7, 3], []]:
+        for _ in range(2):  # planned, then remembered
+            got = pool_groups(tuple(sizes), 10)
+            assert [list(g) for g in got] == [sorted(g) for g in best_fit(sizes, 10)]

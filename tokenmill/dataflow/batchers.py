@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from functools import lru_cache
 from itertools import islice
 from typing import Any
 
@@ -87,6 +88,9 @@ class _PackingBatcher(SampleBatcher):
     """Shared by the packing batchers: the size function, the budget, the counters."""
 
     name = ""
+    restart_every = 1
+    """A resume restarts only after a multiple of this many pulled samples (its `pending`
+    ends there): the loader keeps the distributor's state at those points only."""
 
     def __init__(self, budget: int, size_fn: Callable[[dict], int] | None = None) -> None:
         if budget < 1:
@@ -181,6 +185,10 @@ class PoolPackingBatcher(_PackingBatcher):
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         self.pool_size = pool_size
 
+    @property
+    def restart_every(self) -> int:  # type: ignore[override]
+        return self.pool_size  # a resume restarts at a pool's start
+
     def _setup(self) -> dict[str, Any]:
         return {**super()._setup(), "pool_size": self.pool_size}
 
@@ -191,10 +199,17 @@ class PoolPackingBatcher(_PackingBatcher):
             kept = [s for s, size in pool if size <= self.budget]
             sizes = [size for _, size in pool if size <= self.budget]
             self.counters["dropped"] += len(pool) - len(kept)
-            groups = [sorted(group) for group in best_fit(sizes, self.budget)]
+            groups = pool_groups(tuple(sizes), self.budget)
             for j, positions in enumerate(groups):
                 last = j == len(groups) - 1
                 self.pending, self.skip = (0, 0) if last else (len(pool), j + 1)
                 if j >= skip:
                     yield self._count([kept[p] for p in positions], [sizes[p] for p in positions])
             skip = 0
+
+
+@lru_cache(maxsize=64)
+def pool_groups(sizes: tuple[int, ...], budget: int) -> tuple[tuple[int, ...], ...]:
+    """`best_fit` of a pool, each group's positions in order. Remembered: pools of windows
+    (every size the same) plan once, not once per pool in every worker."""
+    return tuple(tuple(sorted(group)) for group in best_fit(sizes, budget))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -232,39 +233,48 @@ class PackedCollator(BatchCollator):
         """What `collate` makes of the rows of [B, W] samples of one length (windows, as the
         loader hands them over), without a Python step per sample."""
         rows, width = stacked["input_ids"].shape
-        starts = np.arange(rows, dtype=np.int64) * width
-        if "position_ids" in stacked and width:
-            positions = stacked["position_ids"].numpy()
-            row, col = np.nonzero(positions[:, 1:] != positions[:, :-1] + 1)
-            starts = np.sort(np.concatenate([starts, row * width + col + 1]))
-        keys = [k for k in ("input_ids", "target_ids", "loss_mask") if k in stacked]
-        return self._packed(
-            starts.tolist(), rows * width, {k: stacked[k].reshape(-1) for k in keys}
-        )
+        positions = stacked["position_ids"].numpy() if "position_ids" in stacked else None
+        keys: list[str] = [k for k in ("input_ids", "target_ids", "loss_mask") if k in stacked]
+        flat = {k: stacked[k].reshape(-1).clone() for k in keys}  # never the caller's storage
+        return self._packed(window_starts(rows, width, positions), rows * width, flat)
 
-    def _packed(self, starts: list[int], num_tokens: int, flat: dict[str, torch.Tensor]) -> dict:
-        """The batch from document starts and the samples' keys concatenated, padded to pad_to."""
+    def collate_windows(self, arrays: dict[str, torch.Tensor]) -> dict:
+        """What `collate` makes of the items of stored windows (a WindowBatch's arrays: each
+        key [B, W + 1] as stored): each key cut and widened in one copy, straight into the
+        packed row, on the training side of a loader."""
+        sequence = arrays["sequence"].numpy()
+        rows, width = sequence.shape[0], sequence.shape[1] - 1
+        flat = {
+            "input_ids": _widened(sequence[:, :-1], np.int64),
+            "target_ids": _widened(sequence[:, 1:], np.int64),
+        }
+        if "loss_mask" in arrays:
+            flat["loss_mask"] = _widened(arrays["loss_mask"].numpy()[:, 1:], np.bool_)
+        positions = arrays["position_ids"].numpy()[:, :-1] if "position_ids" in arrays else None
+        return self._packed(window_starts(rows, width, positions), rows * width, flat)
+
+    def _packed(
+        self, starts: Sequence[int] | np.ndarray, num_tokens: int, flat: dict[str, torch.Tensor]
+    ) -> dict:
+        """The batch from document starts and the samples' keys concatenated (fresh tensors,
+        the batch's own), padded to pad_to."""
         if self.pad_to is not None and num_tokens > self.pad_to:
             raise ValueError(
                 f"PackedCollator: group has {num_tokens} tokens, over pad_to={self.pad_to}; "
                 "batch with a token budget no larger than pad_to"
             )
         total = num_tokens if self.pad_to is None else self.pad_to
-        if total > num_tokens:
-            starts = [*starts, num_tokens]
-        bounds = np.asarray([*starts, total], dtype=np.int64)
-        cu_seqlens = torch.from_numpy(bounds.astype(np.int32))
-        # numpy, not torch: torch's intra-op threads make these small ops slow on a busy core
-        position_ids = torch.from_numpy(
-            np.arange(total, dtype=np.int64) - np.repeat(bounds[:-1], np.diff(bounds))
-        )
+        ends = [num_tokens, total] if total > num_tokens else [total]
+        bounds = np.empty(len(starts) + len(ends), dtype=np.int64)
+        bounds[: len(starts)], bounds[len(starts) :] = starts, ends
+        sizes = bounds[1:] - bounds[:-1]
         pad = total - num_tokens
         batch = {
             "input_ids": self._pad(flat["input_ids"], self.pad_id, pad),
             "target_ids": self._pad(flat["target_ids"], self.label_pad_id, pad),
-            "position_ids": position_ids.unsqueeze(0),
-            "cu_seqlens": cu_seqlens,
-            "max_seqlen": int(np.diff(bounds).max()) if len(bounds) > 1 else 0,
+            "position_ids": torch.from_numpy(segment_positions(bounds, sizes)).unsqueeze(0),
+            "cu_seqlens": torch.from_numpy(bounds.astype(np.int32)),
+            "max_seqlen": int(sizes.max()) if len(sizes) else 0,
             "num_tokens": num_tokens,
         }
         if "loss_mask" in flat:
@@ -273,5 +283,38 @@ class PackedCollator(BatchCollator):
 
     @staticmethod
     def _pad(values: torch.Tensor, value: Any, pad: int) -> torch.Tensor:
-        parts = [values, torch.full((pad,), value, dtype=values.dtype)] if pad else [values]
-        return torch.cat(parts).unsqueeze(0)
+        """[1, len + pad]: `values` (the batch's own) and `pad` times `value`."""
+        if not pad:
+            return values.unsqueeze(0)
+        return torch.cat([values, torch.full((pad,), value, dtype=values.dtype)]).unsqueeze(0)
+
+
+def window_starts(rows: int, width: int, positions: np.ndarray | None) -> np.ndarray:
+    """Document starts in B rows of W tokens packed in a row: each row's start, and where
+    the rows' positions [B, W] (if any) do not go on by one."""
+    starts = np.arange(rows, dtype=np.int64) * width
+    if positions is not None and width:
+        row, col = np.nonzero(positions[:, 1:] != positions[:, :-1] + np.int64(1))
+        starts = np.sort(np.concatenate([starts, row * width + col + 1]))
+    return starts
+
+
+def segment_positions(bounds: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each token's position in its segment [bounds[k], bounds[k + 1]): 0, 1, ... (int64).
+    Segments of one size (windows) copy one remembered tiling, a fifth of the general way.
+    numpy, not torch: torch's intra-op threads make these small ops slow on a busy core."""
+    if len(sizes) and (sizes == sizes[0]).all():
+        return _tiling(int(sizes[0]), len(sizes)).copy()
+    return np.arange(bounds[-1], dtype=np.int64) - np.repeat(bounds[:-1], sizes)
+
+
+def _widened(values: np.ndarray, dtype: type) -> torch.Tensor:
+    """[B, W] `values` as one new flat tensor of `dtype`: one copy (astype always copies)."""
+    return torch.from_numpy(values.astype(dtype).reshape(-1))
+
+
+@lru_cache(maxsize=8)
+def _tiling(size: int, count: int) -> np.ndarray:
+    tiles = np.tile(np.arange(size, dtype=np.int64), count)
+    tiles.flags.writeable = False  # shared by every batch of this shape: each gets a copy
+    return tiles

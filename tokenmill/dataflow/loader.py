@@ -80,10 +80,12 @@ def run_roles(
 
     def sized() -> Iterator[tuple[Any, int]]:
         nonlocal pulled
+        every = getattr(batcher, "restart_every", 1)  # states kept where a resume can restart
         for index in indices:
             size = distributor.sample_length(index)  # type: ignore[attr-defined]
             pulled += 1
-            positions[pulled] = distributor.state_dict()
+            if pulled % every == 0:
+                positions[pulled] = distributor.state_dict()
             yield index, size
 
     # packing on stored lengths: every worker plans every group, and reads only its own
@@ -126,11 +128,11 @@ def reads_windows(distributor: DataDistributor, processor: RawItemProcessor) -> 
 
 
 def collate_windows(batch: WindowBatch, collator: BatchCollator) -> dict:
-    """The batch `collator` makes of a WindowBatch's items; the default one, without items."""
+    """The batch `collator` makes of a WindowBatch's items; the default and packed ones without items."""
     if type(collator) is DefaultBatchCollator:
         return batch.tensors()
     if type(collator) is PackedCollator:
-        return collator.collate_stacked(batch.tensors())
+        return collator.collate_windows(batch.arrays)
     return collator.collate(batch.items())
 
 

@@ -320,7 +320,7 @@ class MmapStore(Store):
 
     def __getstate__(self) -> dict:
         """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state.pop("_prefetch_threads", None)
         if state.get("_views") is not None:
             state.update(_views=None, _starts=None, _record_starts=[], _values={})

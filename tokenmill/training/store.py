@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -21,6 +21,8 @@ import torch
 from tokenmill.shards.format import Column, primary_key
 
 Transform = Callable[[dict], dict]
+Hot = tuple[int, int, int, dict[str, np.ndarray]]  # view read last: start, end, stream values
+NO_HOT: Hot = (-1, 0, -1, {})
 MAX_OPEN_SHARDS = 32  # an open shard holds a file descriptor per file (Python < 3.13 mmap); the limit is often 1,024
 
 
@@ -89,6 +91,9 @@ class Store:
         self._shared_starts: list[int] = []  # the primary key's view starts
         self._stream_keys: set[str] = set()  # the keys whose views start where the primary's do
         self._num_samples = 0
+        self._hot: Hot = NO_HOT
+        self._last = -1  # the view touched last: already the most recent in `_opened`
+        self._view_values: dict[int, dict[str, np.ndarray]] = {}  # stream keys of open views
 
     def load(
         self,
@@ -98,6 +103,10 @@ class Store:
         tokenizer_path: str | Path | None = None,
     ) -> Store:
         raise NotImplementedError
+
+    def __getstate__(self) -> dict:
+        """The view read last is not pickled: a copy finds its own on its first read."""
+        return {**self.__dict__, "_hot": NO_HOT, "_last": -1, "_view_values": {}}
 
     # --- layout --------------------------------------------------------------------------
     def _set_views(self, views: list[ShardView]) -> None:
@@ -118,6 +127,7 @@ class Store:
         self._record_starts = cumulative([s.records for s in views])
         self._values = {k: _KeyValues(self, k) for k in self._keys}
         self._opened = OrderedDict()
+        self._hot, self._last, self._view_values = NO_HOT, -1, {}
         self._shared_starts = self._starts[primary_key(self._keys)]
         self._stream_keys = {k for k, st in self._starts.items() if st == self._shared_starts}
         self._views = views
@@ -128,19 +138,35 @@ class Store:
 
     def _columns(self, s: int) -> dict[str, Column]:
         """View s's columns; a lazily opened view stays open among the `max_open_shards` most
-        recently used, so a store of thousands of shards keeps few files mapped."""
+        recently used, so a store of thousands of shards keeps few files mapped. Reads of the
+        view touched last skip the LRU's bookkeeping: it is already the most recent."""
         columns = self._opened.get(s)
         if columns is not None:
-            self._opened.move_to_end(s)
+            if s != self._last:
+                self._opened.move_to_end(s)
+                self._last = s
             return columns
         view = self._loaded()[s]
         if view.columns is not None:
             return view.columns
         assert view.open is not None, "a view has columns or a way to open them"
         columns = self._opened[s] = view.open()
+        self._last = s
         while len(self._opened) > self.max_open_shards:
-            self._opened.popitem(last=False)
+            closed, _ = self._opened.popitem(last=False)
+            self._view_values.pop(closed, None)
+            if closed == self._hot[0]:  # never hold a view the limit closed
+                self._hot = NO_HOT
         return columns
+
+    def _heat(self, s: int) -> Hot:
+        """View s as the view read last (`_hot`, one assignment: threads may read)."""
+        columns = self._columns(s)
+        values = self._view_values.get(s) or {k: columns[k].values for k in self._stream_keys}
+        hot = (s, self._shared_starts[s], self._shared_starts[s + 1], values)
+        if s in self._opened or self._loaded()[s].columns is not None:  # not past the limit
+            self._view_values[s], self._hot = values, hot
+        return hot
 
     def _key_values(self, s: int, key: str) -> np.ndarray:
         """View s's values of one key. A store that can open one key of a view alone (a
@@ -214,23 +240,29 @@ class Store:
             return {k: torch.from_numpy(columns[k].values[lo:hi].copy()) for k in keys}
         return {k: to_tensor(self._array(begin, end, self._key(k))) for k in keys}
 
-    def fetch_arrays(self, begin: int, end: int, keys: list[str]) -> dict[str, np.ndarray]:
+    def fetch_arrays(self, begin: int, end: int, keys: Sequence[str]) -> dict[str, np.ndarray]:
         """fetch as numpy arrays, without the copy: inside one view they are read-only
-        views of the maps (datasets shift and widen them in the one copy they make). The
-        common case (one view, stream keys) is inlined: it is most of an item's overhead."""
-        starts = self._shared_starts  # [] before load: _loaded() below then raises
-        s = bisect_right(starts, begin) - 1
-        if (
-            0 <= begin <= end
-            and s + 1 < len(starts)
-            and end <= starts[s + 1]
-            and self._stream_keys.issuperset(keys)
-        ):
-            columns = self._columns(s)
-            lo, hi = begin - starts[s], end - starts[s]
-            return {k: columns[k].values[lo:hi] for k in keys}
+        views of the maps (datasets shift and widen them in the one copy they make)."""
+        found = self.locate(begin, end) if self._stream_keys.issuperset(keys) else None
+        if found is not None:  # the common case: one slice per key
+            values, lo = found
+            return {k: values[k][lo : lo + end - begin] for k in keys}
         self._loaded()
         return {k: self._array(begin, end, self._key(k)) for k in keys}
+
+    def locate(self, begin: int, end: int) -> tuple[dict[str, np.ndarray], int] | None:
+        """(each stream key's values in the one view holding [begin, end) whole, begin's
+        position in them), read-only maps, no copy; None if the range crosses views or lies
+        outside. An item slices just what it keeps from them, the least Python per item."""
+        _, start, stop, values = self._hot
+        if start <= begin <= end <= stop:  # inside the view read last
+            return values, begin - start
+        starts = self._shared_starts  # [] before load: _loaded() below then raises
+        s = bisect_right(starts, begin) - 1
+        self._loaded()
+        if 0 <= begin <= end and s + 1 < len(starts) and end <= starts[s + 1]:
+            return self._heat(s)[3], begin - starts[s]
+        return None
 
     def fetch_windows(
         self, begins: np.ndarray, length: int, keys: list[str]
@@ -282,11 +314,19 @@ class Store:
     def read(self, key: str, begin: int, end: int) -> np.ndarray:
         """Elements [begin, end) of one key's stream: a read-only view of the map inside one
         view, else a copy joined across views. The shortest way to a window (SEQ items)."""
-        starts = self._starts.get(key)
-        if starts is None:
+        _, start, stop, values = self._hot
+        if start <= begin <= end <= stop:  # inside the view read last
+            array = values.get(key)
+            if array is not None:
+                return array[begin - start : end - start]
+        if key not in self._stream_keys:
             self._loaded()
             self._key(key)
-        return self._array(begin, end, key)
+            return self._array(begin, end, key)
+        found = self.locate(begin, end)  # makes the view holding them the view read last
+        if found is None:
+            return self._array(begin, end, key)
+        return found[0][key][found[1] : found[1] + end - begin]
 
     def _array(self, begin: int, end: int, key: str) -> np.ndarray:
         starts = self._starts[key]
