@@ -12,7 +12,8 @@ shuffled, `workers` DataLoader workers), reading one epoch:
 
 - bucket, small cache: a shuffled epoch of another dataset (many small shards) through a
   cache half its size, with the fetches ahead of the sample order and without them
-  (`training.prefetch.ORDER_LOOKAHEAD` = 0), interleaved, each from an empty cache.
+  (`training.prefetch.ORDER_LOOKAHEAD` = 0), interleaved, each from an empty cache, through
+  a proxy that holds each request LATENCY_S (a real bucket's round trip; loopback has none).
 
 Figures: first-batch latency (from iter() to the first batch, worker start-up included) and
 steady-state tokens/s (the batches after the first); local and warm are medians of `repeats`
@@ -26,6 +27,7 @@ Run: python benchmarks/bench_remote.py [--shards 16] [--tokens-per-shard 4000000
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -48,6 +50,7 @@ from tokenmill.training import prefetch
 from tokenmill.training.dataset_factory import DatasetFactory
 
 WINDOW, BATCH = 2048, 8
+LATENCY_S = 0.02  # a request's round trip to a bucket in the same region, for the small cache
 
 
 def write_dataset(root: Path, shards: int, tokens: int) -> Path:
@@ -177,7 +180,11 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
             for k in ("load_s", "first_batch_s", "tokens_per_s")
         }
 
-    small = small_cache(work, endpoint, workers, repeats)
+    latency = Latency(endpoint, LATENCY_S)
+    try:
+        small = small_cache(work, endpoint, latency.endpoint, workers, repeats)
+    finally:
+        latency.close()
 
     print(f"dataset: {shards} shards, {shards * tokens:,} tokens, {size / 1e6:,.0f} MB; "
           f"windows of {WINDOW}, batches of {BATCH}, {workers} workers; "
@@ -190,7 +197,8 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
           f"{cold_bytes / 1e6:,.0f} MB/s ({watch.seconds:.2f} s from first bytes to last shard)")  # fmt: skip
     print("cold cache counts:", json.dumps({k: v for k, v in cold["stats"].items() if v}))
     print(f"bucket, small cache ({small['shards']} shards of {small['shard_mb']:.2f} MB, cache "
-          f"half the dataset, shuffled, median of {repeats}): without fetches ahead of the order "
+          f"half the dataset, shuffled, {LATENCY_S * 1000:.0f} ms a request, median of {repeats}): "
+          f"without fetches ahead of the order "
           f"{small['without s']:.2f} s/epoch ({small['without downloads']} downloads), with "
           f"{small['with s']:.2f} s ({small['with downloads']}): "
           f"{small['without s'] / small['with s']:.2f}x faster")  # fmt: skip
@@ -215,16 +223,20 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
 
 
 def small_cache(
-    work: Path, endpoint: str, workers: int, repeats: int, shards: int = 128, tokens: int = 32_768
-) -> dict:
+    work: Path, endpoint: str, slow: str, workers: int, repeats: int, shards: int = 128,
+    tokens: int = 32_768,
+) -> dict:  # fmt: skip
     """One shuffled epoch through a cache half the dataset's size, with and without the
-    fetches ahead of the sample order (interleaved, each from an empty cache): seconds."""
-    options = {"endpoint_url": endpoint}
+    fetches ahead of the sample order (interleaved, each from an empty cache), read through
+    `slow` (the server behind a round trip of LATENCY_S): seconds."""
     local = write_dataset(work / "small", shards, tokens)
     files = sorted(p for p in local.rglob("*") if p.is_file())
     size = sum(p.stat().st_size for p in files)
     url = "s3://bench/small"
-    Remote(url, options).put([(p, p.relative_to(local).as_posix()) for p in files])
+    Remote(url, {"endpoint_url": endpoint}).put(
+        [(p, p.relative_to(local).as_posix()) for p in files]
+    )
+    options = {"endpoint_url": slow}
     saved = prefetch.ORDER_LOOKAHEAD
     times: dict[str, list[float]] = {"without": [], "with": []}
     downloads: dict[str, int] = {}
@@ -247,6 +259,44 @@ def small_cache(
         "without s": statistics.median(times["without"]), "with s": statistics.median(times["with"]),
         "without downloads": downloads["without"], "with downloads": downloads["with"],
     }  # fmt: skip
+
+
+class Latency:
+    """A TCP proxy on loopback that holds each request `delay` seconds before the server sees
+    it: the round trip of a real bucket (tens of ms), which a server on loopback lacks."""
+
+    def __init__(self, upstream: str, delay: float) -> None:
+        host, port = upstream.rsplit("//", 1)[1].split(":")
+        self.upstream, self.delay = (host, int(port)), delay
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self.pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self.pump, args=(server, client, False), daemon=True).start()
+
+    def pump(self, src: socket.socket, dst: socket.socket, delayed: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if delayed:  # a request (its headers come in one piece): held, then sent on
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 class Watch(threading.Thread):

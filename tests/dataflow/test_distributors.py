@@ -3,6 +3,7 @@ mixture shares, refusals that name the field."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -20,6 +21,7 @@ from tokenmill.dataflow.distributors import (
     trained_tokens,
     worker_share,
 )
+from tokenmill.training.prefetch import own_positions
 
 
 def stream(
@@ -244,3 +246,23 @@ def test_a_distributor_with_the_old_index_method_name_is_refused():
         class Old(IterableDistributor):
             def keys(self, dp_rank, dp_world_size):  # type: ignore[override]
                 return iter([])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 200),
+    workers=st.integers(1, 4),
+    block=st.integers(1, 9),
+    given_before=st.integers(0, 50),
+)
+def test_each_worker_fetches_ahead_the_positions_worker_share_deals_it(
+    n, workers, block, given_before
+):
+    """The read-ahead of a bucket dataset looks at the positions its own worker will read:
+    `own_positions` agrees with `worker_share` over the same stream of indices."""
+    positions = np.arange(given_before, given_before + n)
+    for worker in range(workers):
+        dealt = list(worker_share(range(given_before + n), worker, workers, block))
+        expected = [p for p in dealt if p >= given_before]
+        got = own_positions(positions, given_before, (worker, workers, block))
+        assert got.tolist() == expected

@@ -202,6 +202,7 @@ class Unreadable(RawItemProcessor):
 
 @pytest.mark.parametrize("threads", [1, 3])
 def test_an_error_in_a_reading_thread_raises_in_the_training_loop_and_stops_the_threads(threads):
+    before = set(threading.enumerate())  # daemons of earlier tests (watchdogs, prefetchers)
     victim = int(epoch_order(20, 9, 0)[10])
     broken = DataflowLoader(
         MapDistributor(ToyDataset("seq", 20), seed=9),
@@ -212,16 +213,18 @@ def test_an_error_in_a_reading_thread_raises_in_the_training_loop_and_stops_the_
     with pytest.raises(ValueError, match=f"sample {victim} is unreadable"):
         list(broken)
     stopped = time.monotonic() + 5
-    while time.monotonic() < stopped and threading.active_count() > 1:
+    while time.monotonic() < stopped and set(threading.enumerate()) - before:
         time.sleep(0.01)
-    assert threading.active_count() == 1
+    assert not set(threading.enumerate()) - before
 
 
 def test_leaving_a_threaded_loader_early_stops_its_threads():
+    before = set(threading.enumerate())
     batches = iter(loader(num_threads=2, prefetch_factor=1))
     next(batches)
+    assert len(set(threading.enumerate()) - before) == 2
     batches.close()  # what a `break` out of the training loop does
-    assert threading.active_count() == 1
+    assert not set(threading.enumerate()) - before
 
 
 @pytest.mark.slow

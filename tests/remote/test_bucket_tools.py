@@ -45,15 +45,11 @@ def test_once_every_shard_is_cached_the_order_asks_nothing(datasets, options, tm
     expected = batches(loader(load("sft", local), workers=0))
     assert same(batches(loader(dataset, workers=0)), expected)
     ahead = dataset.store.cache_stats()["ahead"]
-    look = prefetch.OrderReadAhead.look
-    calls = []
-    prefetch.OrderReadAhead.look = lambda self, views: calls.append(views) or look(self, views)
-    try:
-        assert same(batches(loader(dataset, workers=0)), expected)
-    finally:
-        prefetch.OrderReadAhead.look = look
+    fetch_ahead, calls = dataset.store.fetch_ahead, []
+    dataset.store.fetch_ahead = lambda *args: calls.append(args) or fetch_ahead(*args)
+    assert same(batches(loader(dataset, workers=0)), expected)
     assert dataset.store.cache_stats()["ahead"] == ahead
-    assert len(calls) <= 1  # one look finds every shard known: the order stops looking
+    assert calls == []  # every shard known cached and none evicted: the order stops looking
 
 
 def test_no_read_ahead_for_data_on_disk(datasets):

@@ -126,13 +126,14 @@ class MapDistributor(_IndexedDistributor):
         self.drop_last, self.num_epochs = drop_last, num_epochs
         self.fingerprint = data_fingerprint(dataset)
         self.epoch, self.consumed = 0, 0
+        self.read_share: tuple[int, int, int] | None = None  # a loader worker's: see prefetch
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[int]:
         _check_coordinates(dp_rank, dp_world_size)
         n = len(self.dataset)
         if self.drop_last and n < dp_world_size:
             raise ValueError(f"drop_last with {n} items and {dp_world_size} ranks leaves no items")
-        ahead = order_read_ahead(self.dataset, self.seed, self.shuffle)  # None: shards on disk
+        ahead = order_read_ahead(self.dataset, self.seed, self.shuffle, self.read_share)
         while self.num_epochs is None or self.epoch < self.num_epochs:
             epoch, start = self.epoch, self.consumed
             end = epoch_end(n, start, dp_world_size, self.drop_last)

@@ -51,11 +51,12 @@ def run_roles(
 
     With a fixed group size the worker reads only its own groups' indices; otherwise (packing)
     every worker plans the rank's whole sequence (from stored lengths, or by reading it) and
-    reads and collates only its own groups. Groups of windows are yielded as read
-    (WindowBatch), for the training side to collate. `position` is the distributor state
-    before the batcher's pending samples plus the batcher state: loading both continues the
-    sequence right after this batch."""
+    reads and collates only its own groups. Groups of windows are yielded as read (WindowBatch),
+    for the training side to collate. `position` is the distributor state before the batcher's
+    pending samples plus the batcher state: loading both continues right after this batch."""
     block = batcher.group_size
+    if hasattr(distributor, "read_share"):  # a worker fetches ahead what it reads (prefetch.py)
+        distributor.read_share = (worker_id, num_workers, block or 0)
     indices = distributor.indices(dp_rank, dp_world_size)
     if block:
         indices = worker_share(indices, worker_id, num_workers, block)

@@ -52,6 +52,10 @@ class BaseDataset(Dataset):
         """Tokens in item `index`, without reading them (packing batchers call this)."""
         raise NotImplementedError
 
+    def item_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """Stream positions [first, last] that items read; None: items are records."""
+        return None
+
     def _data_identity(self) -> str:
         """What identifies the data when the store has no fingerprint of its own."""
         raise NotImplementedError
@@ -110,6 +114,12 @@ class _StreamDataset(BaseDataset):
 
     def __len__(self) -> int:
         return int(self.store.num_samples)
+
+    def item_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The stream positions [first, last] items read (a window and its one more token):
+        what a bucket's shards are fetched ahead for (`MmapStore.fetch_ahead`)."""
+        first = (indices % len(self)) * int(self.store.stride)
+        return first, first + int(self.store.window_size)
 
     def sample_length(self, index: int) -> int:
         windows, _, size = self._windows or self._geometry  # every window has the store's size
@@ -250,6 +260,12 @@ class SFTDataset(_StreamDataset):
     @property
     def fixed_windows(self) -> bool:
         return self.sample == "window"
+
+    def item_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        if self.sample == "window":
+            return super().item_ranges(indices)
+        first = self._starts[indices]
+        return first, first + np.maximum(self._lengths[indices] - 1, 0)
 
     def sample_length(self, index: int) -> int:
         if self.sample == "window":

@@ -249,12 +249,70 @@ class MmapStore(Store):
         rel, meta = self._metas[s]
         return self.cache.open(rel, meta)
 
+    # --- ahead of a sample order (prefetch.OrderReadAhead) ------------------------------------
+    def fetch_ahead(self, first: np.ndarray, last: np.ndarray | None, share: float) -> int | None:
+        """Starts the downloads of the shards holding items [first, last] (stream positions, or
+        with `last` None record indices) that the cache lacks, in order of need, as far as
+        `share` of the cache's limit goes; until the next call they are kept from eviction and
+        the shards needed after them evicted last. A shard known to be cached costs a dict
+        lookup. Returns the place of the first item not covered, or None."""
+        assert self.cache is not None
+        cache, prefetcher = self.cache, self._prefetcher()
+        starts = self._view_starts if last is not None else np.asarray(self._record_starts)
+        top = len(starts) - 2
+        ends = first if last is None else last
+        a, b = (
+            np.clip(np.searchsorted(starts, x, side="right") - 1, 0, top) for x in (first, ends)
+        )
+        need: dict[int, int] = {}  # shard -> the first item that needs it
+        for k, view in enumerate(np.stack([a, b], axis=1).reshape(-1).tolist()):
+            need.setdefault(view, k // 2)
+        budget = cache.limit * share if cache.limit is not None else None
+        sizes, held, stop = self._shard_bytes(), 0, None
+        keep: set[str] = set()
+        for s, item in need.items():
+            if s in self._opened:
+                continue  # mapped: read from its pages
+            if budget is not None and keep and held + sizes[s] > budget:
+                stop = item
+                break
+            held += sizes[s]
+            keep.add(self._metas[s][0])
+            if cache.known(self._metas[s][0]) or prefetcher.pending(s) is not None:
+                continue
+            if prefetcher.busy() < 2 * prefetcher.threads:
+                prefetcher.ahead([s])
+                cache.counts.add(ahead=1)
+        if not self.fits_cache():  # evicted last: the shards read after these, last first
+            cache.keep = keep
+            later = [s for s in need if need[s] >= stop] if stop is not None else []
+            cache.later = {self._metas[s][0]: k for k, s in enumerate(later)}
+        return stop
+
+    def fits_cache(self) -> bool:
+        """The whole dataset fits the cache's limit: nothing is ever evicted."""
+        limit = self.cache.limit if self.cache is not None else None
+        return limit is None or sum(self._shard_bytes()) <= limit * 0.9
+
+    def all_cached(self) -> bool:
+        """Every shard is known (in this process) to be in a cache that never evicts."""
+        return (
+            self.cache is not None
+            and self.fits_cache()
+            and len(self.cache.present) == len(self._metas)
+        )
+
+    def _shard_bytes(self) -> list[int]:
+        sizes = self.__dict__.get("_sizes")
+        if sizes is None:
+            sizes = self._sizes = [sum(n for _, n, _ in shard_files(m)) for _, m in self._metas]
+        return sizes
+
     def _start_fill(self, prefetcher: Prefetcher) -> None:
         """The whole dataset fetched in the background when it fits the cache limit."""
         if prefetcher.filling or self.cache is None:
             return
-        total = sum(size for _, meta in self._metas for _, size, _ in shard_files(meta))
-        if self.cache.limit is None or total <= self.cache.limit * 0.9:
+        if self.fits_cache():
             prefetcher.fill(list(range(len(self._metas))), self.cache.dir / "fill.lock")
         else:
             prefetcher.filling = True  # never: the cache would evict what it just fetched

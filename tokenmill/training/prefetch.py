@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.training.cache_files import shard_files
 from tokenmill.training.state import order_at
 
 log = logging.getLogger("tokenmill.cache")
@@ -141,105 +140,59 @@ LOOK_EVERY = 32  # positions read between two looks ahead
 AHEAD_SHARE = 0.5  # the most of the cache's limit the shards looked ahead at may hold
 
 
-def order_read_ahead(dataset: Any, seed: int, shuffle: bool) -> OrderReadAhead | None:
+def order_read_ahead(
+    dataset: Any, seed: int, shuffle: bool, share: tuple[int, int, int] | None = None
+) -> OrderReadAhead | None:
     """What fetches a dataset's shards ahead of its sample order (`training.state.order_at`),
-    or None where there is nothing to fetch (shards on local disk, prefetch=0)."""
+    or None where there is nothing to fetch (shards on local disk, prefetch=0). `share`:
+    (worker, workers, block) when a loader worker reads blocks worker, worker + workers, ...
+    of the indices (`dataflow.distributors.worker_share`): each fetches ahead what it reads;
+    block 0 (packing: every worker walks every index), worker 0 fetches ahead for all."""
     store = getattr(dataset, "store", None)
     if ORDER_LOOKAHEAD <= 0 or getattr(store, "cache", None) is None:
         return None
-    if not getattr(store, "prefetch", 0) or not hasattr(store, "_prefetcher"):
+    if not getattr(store, "prefetch", 0) or not hasattr(store, "fetch_ahead"):
         return None
-    return OrderReadAhead(dataset, seed, shuffle)
+    if share is not None and share[2] == 0:
+        if share[0] != 0:
+            return None
+        share = None
+    return OrderReadAhead(dataset, seed, shuffle, share or (0, 1, 1))
+
+
+def own_positions(positions: np.ndarray, given: int, share: tuple[int, int, int]) -> np.ndarray:
+    """Those of the next `positions` (the order's, from the `given`-th index on) that fall to
+    this worker under `share` (worker, workers, block), as `worker_share` deals them."""
+    worker, workers, block = share
+    return positions[((given + np.arange(len(positions))) // block) % workers == worker]
 
 
 class OrderReadAhead:
     """Called with each position a distributor reads; every `LOOK_EVERY` positions, looks at
-    the next `ORDER_LOOKAHEAD` positions' items, finds their shards in order of need and
-    starts the download of those the cache does not hold. A shard this process knows is in
-    the cache costs a dict lookup (`ShardCache.known`); once every shard is known and none
-    can be evicted, a look costs nothing. Bounded: at most `AHEAD_SHARE` of the cache's
-    limit in shards, `2 x prefetch` downloads at once; until the next look, the shards
-    looked at are kept from eviction (`ShardCache.keep`), and those the order reads after
-    them are evicted last (`ShardCache.later`)."""
+    the next `ORDER_LOOKAHEAD` positions that this worker reads and has the store fetch their
+    items' shards ahead (`MmapStore.fetch_ahead`), within `AHEAD_SHARE` of the cache's limit;
+    once every shard is known cached and none can be evicted, a call costs nothing."""
 
-    def __init__(self, dataset: Any, seed: int, shuffle: bool) -> None:
+    def __init__(self, dataset: Any, seed: int, shuffle: bool, share: tuple[int, int, int]) -> None:
         self.dataset, self.store, self.seed, self.shuffle = dataset, dataset.store, seed, shuffle
+        self.share, self.calls = share, 0  # calls: the indices the distributor gave so far
         self.n = len(dataset)
         self.next, self.epoch = 0, -1
-        store = self.store
-        self.windows = bool(getattr(dataset, "fixed_windows", False))
-        self.spans = None if self.windows else getattr(dataset, "_starts", None)
-        if self.windows or self.spans is not None:  # items are spans of the token stream
-            starts = store._shared_starts
-        else:  # items are records (DPO, KTO, GRPO)
-            starts = store._record_starts
-        self.starts = np.asarray(starts, dtype=np.int64)
-        self.sizes = [sum(size for _, size, _ in shard_files(meta)) for _, meta in store._metas]
-        cache = store.cache
-        self.evicts = cache.limit is not None and sum(self.sizes) > cache.limit * 0.9
-        self.budget = cache.limit * AHEAD_SHARE if cache.limit is not None else None
-        self.done = False  # every shard known in the cache, none to be evicted: nothing to do
+        self.done = False
 
     def __call__(self, position: int, end: int, step: int, epoch: int) -> None:
+        given, self.calls = self.calls, self.calls + 1
         if self.done or (epoch == self.epoch and position < self.next):
             return
         self.epoch, self.next = epoch, position + LOOK_EVERY * step
-        cache = self.store.cache
-        if not self.evicts and len(cache.present) == len(self.sizes):
+        if self.store.all_cached():
             self.done = True
             return
         positions = np.arange(position, min(end, position + ORDER_LOOKAHEAD * step), step)
+        positions = own_positions(positions, given, self.share)
         indices = order_at(positions, self.n, self.seed, epoch, self.shuffle)
-        views, need = self.views(indices)
-        covered = self.look(views)
-        if covered < len(views):  # the budget stopped it: look again halfway to that shard
-            self.next = position + max(1, need[covered] // 2) * step
-
-    def views(self, indices: np.ndarray) -> tuple[list[int], list[int]]:
-        """The shards holding these items, each once, in order of first need; and the item
-        (its place in `indices`) that first needs each."""
-        if self.windows:
-            first = (indices % self.n) * int(self.store.stride)
-            last = first + int(self.store.window_size)  # the window and its one more token
-        elif self.spans is not None:
-            first = self.spans[indices]
-            last = first + np.maximum(self.dataset._lengths[indices] - 1, 0)
-        else:
-            first = last = indices
-        top = len(self.starts) - 2
-        a = np.clip(np.searchsorted(self.starts, first, side="right") - 1, 0, top)
-        b = np.clip(np.searchsorted(self.starts, last, side="right") - 1, 0, top)
-        first_need: dict[int, int] = {}
-        for k, view in enumerate(np.stack([a, b], axis=1).reshape(-1).tolist()):
-            first_need.setdefault(view, k // 2)
-        return list(first_need), list(first_need.values())
-
-    def look(self, views: list[int]) -> int:
-        """Starts the downloads of these shards (in order of need) that the cache lacks, as
-        far as the budget goes; keeps them from eviction. Returns how many it covered."""
-        store, cache = self.store, self.store.cache
-        prefetcher, mapped = store._prefetcher(), store._opened  # mapped: read from its pages
-        keep: set[str] = set()
-        held = started = covered = 0
-        for s in views:
-            if s in mapped:
-                covered += 1
-                continue
-            if self.budget is not None:
-                if keep and held + self.sizes[s] > self.budget:
-                    break
-                held += self.sizes[s]
-            covered += 1
-            rel = store._metas[s][0]
-            keep.add(rel)
-            if cache.known(rel) or prefetcher.pending(s) is not None:
-                continue
-            if prefetcher.busy() < 2 * prefetcher.threads:
-                prefetcher.ahead([s])
-                started += 1
-        if self.evicts:  # past the budget: evicted last, the one read last first
-            cache.keep = keep
-            cache.later = {store._metas[s][0]: k for k, s in enumerate(views[covered:])}
-        if started:
-            cache.counts.add(ahead=started)
-        return covered
+        ranges = self.dataset.item_ranges(indices)
+        first, last = ranges if ranges is not None else (indices, None)
+        stop = self.store.fetch_ahead(first, last, AHEAD_SHARE)
+        if stop is not None:  # the budget stopped it: look again halfway to that item
+            self.next = position + max(1, stop * self.share[1] // 2) * step
