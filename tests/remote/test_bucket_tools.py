@@ -10,8 +10,10 @@ import time
 
 import fsspec
 import pytest
+import torch
 from bucket_helpers import QWEN, small_config, source
 from test_bucket_read import batches, dataset_bytes, largest_shard, load, loader, same
+from torch.utils.data import DataLoader
 
 from tokenmill.preprocess import bucket_lock
 from tokenmill.preprocess.bucket_lock import LOCK, BucketLock
@@ -19,6 +21,7 @@ from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.shards.remote import Remote
 from tokenmill.tools.cli import main
 from tokenmill.training import prefetch
+from tokenmill.training.sampler import RDSampler
 
 pytestmark = pytest.mark.slow  # an S3 server
 
@@ -50,6 +53,26 @@ def test_once_every_shard_is_cached_the_order_asks_nothing(datasets, options, tm
     assert same(batches(loader(dataset, workers=0)), expected)
     assert dataset.store.cache_stats()["ahead"] == ahead
     assert calls == []  # every shard known cached and none evicted: the order stops looking
+
+
+def test_rdsampler_in_a_plain_dataloader_fetches_ahead_and_reads_the_local_batches(
+    datasets, options, tmp_path
+):
+    """RDSampler's order is fetched ahead in the training process, into the machine's cache
+    that the DataLoader's workers read."""
+    local, url = datasets["seq"]
+    limit = max(dataset_bytes(local) // 3, 3 * largest_shard(local))
+
+    def epoch(dataset):
+        sampler = RDSampler(dataset, seed=5, rank=0, world_size=1)
+        return list(DataLoader(dataset, batch_size=4, sampler=sampler, num_workers=2))
+
+    expected = epoch(load("seq", local))
+    dataset = load("seq", url, cache_dir=tmp_path / "c", cache_limit=limit, storage_options=options)
+    got = epoch(dataset)
+    assert len(got) == len(expected)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(got, expected, strict=True) for k in a)
+    assert dataset.store.cache_stats()["ahead"] > 0  # this process's look-ahead downloads
 
 
 def test_no_read_ahead_for_data_on_disk(datasets):

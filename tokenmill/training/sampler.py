@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+from tokenmill.training.prefetch import order_read_ahead
 from tokenmill.training.state import (
     advance_position,
     check_state,
@@ -50,6 +51,7 @@ class RDSampler(Sampler[int]):
         world_size: int | None = None,
     ) -> None:
         self.num_items = len(dataset)
+        self.dataset = dataset  # in a bucket: its shards are fetched ahead of the order
         self.fingerprint = data_fingerprint(dataset)
         self.seed, self.drop_last, self.shuffle = seed, drop_last, shuffle
         self.rank, self.world_size = data_parallel_coordinates(rank, world_size, process_group)
@@ -131,15 +133,20 @@ class OrderIterator(Iterator[int]):
     def _start(self, epoch: int, consumed: int) -> None:
         s = self.sampler
         self.epoch, self.start, self.yielded = epoch, consumed, 0
-        end = epoch_end(s.num_items, consumed, s.world_size, s.drop_last)
+        self.end = epoch_end(s.num_items, consumed, s.world_size, s.drop_last)
         self._indices = order_blocks(
-            consumed + s.rank, end, s.world_size, s.num_items, s.seed, epoch, s.shuffle
+            consumed + s.rank, self.end, s.world_size, s.num_items, s.seed, epoch, s.shuffle
         )
+        self._ahead = order_read_ahead(s.dataset, s.seed, s.shuffle)  # None: data on disk
 
     def __next__(self) -> int:
         if self.yielded == 0:
             self.sampler._refuse_unpositioned()
         index = next(self._indices)
+        if self._ahead is not None:
+            self._ahead(
+                self.position + self.sampler.rank, self.end, self.sampler.world_size, self.epoch
+            )
         self.yielded += 1
         if self.sampler.epoch == self.epoch:
             self.sampler.handed_out = max(self.sampler.handed_out, self.position)
