@@ -15,7 +15,8 @@ from helpers import DATA, QWEN
 
 from tokenmill import DatasetFactory, Pipeline, PipelineConfig, StoreFactory, default_config
 from tokenmill.tools.cli import main
-from tokenmill.tools.convert import export_hf, export_megatron, import_megatron
+from tokenmill.tools.convert import export_megatron, import_megatron
+from tokenmill.tools.hf_export import export_hf
 from tokenmill.tools.megatron import read_megatron
 
 with warnings.catch_warnings():  # megatron-core warns that Apex and Transformer Engine are absent

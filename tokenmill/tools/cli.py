@@ -259,7 +259,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tokenmill.tools.convert import export_hf, export_megatron
+    from tokenmill.tools.convert import export_megatron
+    from tokenmill.tools.hf_export import export_hf
 
     if args.to == "hf":
         if args.tokens_only:
