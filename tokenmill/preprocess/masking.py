@@ -289,9 +289,8 @@ class RecordMasker(OutputLayout):
         add_special = (
             section.add_special_tokens if section.add_special_tokens is not None else first
         )
-        text, ahead = self.ahead.pop(id(value), (None, None))
-        ahead = ahead if text is value else None
-        ids = encode_text(self.bundle, value, add_special_tokens=add_special, ids=ahead)
+        text, ahead = self.ahead.pop(id(value), (None, None))  # encoded with its chunk
+        ids = encode_text(self.bundle, value, add_special, ahead if text is value else None)
         mask = np.full(len(ids), section.action == "train", dtype=bool)
         if (
             add_special
