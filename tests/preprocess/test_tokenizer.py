@@ -76,8 +76,8 @@ def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
     records.append(Record("c4.jsonl", 43, {"text": "x" * 20_001}))
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
-    ahead.ahead = encode_ahead(ahead, records)
-    assert len(ahead.ahead) == 41  # not the text past max_chars, nor the record without one
+    ahead.encoded = encode_ahead(ahead, records)
+    assert len(ahead.encoded) == 41  # not the text past max_chars, nor the record without one
     for record in records:
         try:
             expected = one.process_counted(record)[0]
@@ -88,4 +88,4 @@ def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
         got = ahead.process_counted(record)[0]
         assert got.keys() == expected.keys()
         assert all(np.array_equal(got[k], expected[k]) for k in got)
-    assert not ahead.ahead  # every text encoded ahead was used
+    assert not ahead.encoded  # every text encoded ahead was used

@@ -6,6 +6,7 @@ that keeps two runs on different machines from writing the same prefix."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import fsspec
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader
 from tokenmill.preprocess import bucket_lock
 from tokenmill.preprocess.bucket_lock import LOCK, BucketLock
 from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.upload import BucketOutput
 from tokenmill.shards.remote import Remote
 from tokenmill.tools.cli import main
 from tokenmill.training import prefetch
@@ -152,6 +154,39 @@ def test_a_stale_lock_is_taken_over_and_its_run_stops_before_commit(
     assert summary.records_written > 0 and LOCK not in Remote(url, options).listing()
     dead.refresh()  # the dead run wakes up: its lock is gone to another run
     assert dead.lost
-    with pytest.raises(RuntimeError, match="took over this run's lock"):
+    with pytest.raises(RuntimeError, match="no longer holds the prefix's lock"):
         dead.check()
     dead.release()
+
+
+def test_refreshes_racing_each_other_never_lose_the_lock(options, bucket):
+    """The run's own write and its heartbeat's at once: one If-Match fails on the other's new
+    ETag, and the lock, still naming this run, stays held."""
+    lock = BucketLock(Remote(f"s3://{bucket}/race", options), heartbeat_s=3600)
+    lock.acquire()
+    lock.run_id = "r1"
+    threads = [threading.Thread(target=lambda: [lock.refresh() for _ in range(8)]) for _ in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not lock.lost
+    lock.check(server=True)
+    lock.release()
+
+
+def test_a_run_whose_lock_was_taken_over_writes_and_deletes_nothing(options, bucket, tmp_path):
+    url = f"s3://{bucket}/taken"
+    Remote(url, options).pipe("shard_00000/meta.json", b"{}")  # what the new holder wrote
+    output = BucketOutput(url, options, tmp_path / "staging")
+    with output.held():
+        thief = BucketLock(Remote(url, options), stale_s=0.0, heartbeat_s=3600)
+        thief.holder.update(host="elsewhere", pid=4242)
+        time.sleep(1.5)  # LastModified has a 1 s resolution
+        thief.acquire()  # past its (zero) stale time: taken over
+        with pytest.raises(RuntimeError, match="no longer holds the prefix's lock"):
+            output.lock.check(server=True)
+        output.abort(remove=True)  # bad input would delete the run's objects: not another's
+        assert "shard_00000/meta.json" in Remote(url, options).listing()
+    thief.release()
+    assert not Remote(url, options).exists(LOCK)

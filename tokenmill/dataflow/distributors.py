@@ -1,9 +1,8 @@
 """DataDistributor: the first dataflow role (raw items for a rank) and its built-ins.
 
-DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator. A distributor owns
-the raw data and decides each data-parallel rank's stream. Built-ins give that stream as
-cheap indices (`indices`) and read an item only in `fetch`, so the loader can hand each worker
-whole groups without reading what other workers read."""
+DataDistributor -> RawItemProcessor -> SampleBatcher -> BatchCollator. A distributor owns the raw
+data and decides each data-parallel rank's stream; built-ins give it as cheap `indices` and read
+an item only in `fetch`, so each loader worker reads only its own groups."""
 
 from __future__ import annotations
 

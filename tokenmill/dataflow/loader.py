@@ -8,8 +8,7 @@ exactly. With a fixed group size a worker reads only its own groups' items, and 
 windows of one length is read at once and handed over as int32 (`WindowBatch`). A packing
 group depends on the sizes of every sample before it, so each worker plans every group: from
 the dataset's stored lengths where it has them (reading only its own groups' items), else by
-reading the whole stream and collating only its own groups (see benchmarks/bench_loader.py).
-"""
+reading the whole stream and collating only its own groups (see benchmarks/bench_loader.py)."""
 
 from __future__ import annotations
 

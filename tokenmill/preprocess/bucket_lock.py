@@ -19,6 +19,8 @@ import os
 import socket
 import threading
 import time
+from email.utils import parsedate_to_datetime
+from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.remote import Remote, retrying
@@ -42,8 +44,11 @@ class BucketLock:
         self.stale_s = STALE_S if stale_s is None else stale_s
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": started}
+        self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "boot": _boot_id(),
+                       "started": started}  # fmt: skip
         self.lost = False
+        self.refreshed = time.monotonic()  # when the server last took our write
+        self._writing = threading.Lock()  # one write of the lock at a time (run and heartbeat)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._s3 = hasattr(remote.fs, "call_s3")
@@ -85,7 +90,9 @@ class BucketLock:
             body = json.loads(self.remote.cat(LOCK))
         except FileNotFoundError:
             return None
-        age = time.time() - head["LastModified"].timestamp()
+        headers = head.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+        now = parsedate_to_datetime(headers["date"]).timestamp() if "date" in headers else None
+        age = (now or time.time()) - head["LastModified"].timestamp()  # by the server's clock
         return body, str(head["ETag"]), age
 
     def acquire(self) -> None:
@@ -99,19 +106,26 @@ class BucketLock:
                 continue  # released meanwhile: again
             holder, etag, age = found
             if etag is not None and all(holder.get(k) == v for k, v in self.holder.items()):
-                self.etag = etag  # ours: a retried put whose first try went through
+                self.etag, self.refreshed = etag, time.monotonic()  # ours: a retried put
                 break
             if etag is not None and (age > self.stale_s or self._dead_here(holder)):
                 log.warning("%s: taking over a stale lock (%s, last written %.0f s ago)",
                             self.remote.where(LOCK), describe(holder), age)  # fmt: skip
                 self.etag = self._put(IfMatch=etag)
                 if self.etag is not None:
+                    self.refreshed = time.monotonic()
                     break
                 continue  # another run took it over first
+            stale = (
+                f"a lock not refreshed for {self.stale_s:.0f} s is taken over"
+                if etag is not None
+                else f"this store has no conditional writes: remove {self.remote.where(LOCK)} "
+                "once that run is dead"
+            )
             raise FileExistsError(
                 f"{self.remote.url}: another run is writing this prefix ({describe(holder)}, "
                 f"lock last written {age:.0f} s ago); wait for it to finish or stop it, then "
-                f"run again (a lock not refreshed for {self.stale_s:.0f} s is taken over)"
+                f"run again ({stale})"
             )
         if self.etag is None:
             raise FileExistsError(f"{self.remote.where(LOCK)}: could not take the lock")
@@ -121,8 +135,9 @@ class BucketLock:
     def _dead_here(self, holder: dict[str, Any]) -> bool:
         """The holder ran on this machine and its process is gone (a killed run: its lock
         is taken over at once, not after STALE_S)."""
-        if holder.get("host") != self.holder["host"] or not isinstance(holder.get("pid"), int):
-            return False
+        same = all(holder.get(k) == self.holder[k] for k in ("host", "boot"))
+        if not same or not self.holder["boot"] or not isinstance(holder.get("pid"), int):
+            return False  # another machine (or one we cannot tell apart): wait for STALE_S
         try:
             os.kill(holder["pid"], 0)
         except ProcessLookupError:
@@ -136,21 +151,42 @@ class BucketLock:
         self.refresh()
 
     def refresh(self) -> None:
-        """The lock written again (If-Match its ETag); a lock another run took is `lost`."""
-        if self.etag is None or self.lost:
-            return
-        etag = self._put(IfMatch=self.etag) if self._s3 else self._put()
-        if etag is None:
-            self.lost = True
-            log.error("%s: the lock was taken over by another run", self.remote.where(LOCK))
-        else:
-            self.etag = etag
+        """The lock written again (If-Match its ETag); a lock another run took is `lost`. A
+        failed condition on a lock that still names this run (a retried put whose first try
+        went through) keeps the lock."""
+        with self._writing:
+            if self.etag is None or self.lost:
+                return
+            etag = self._put(IfMatch=self.etag) if self._s3 else self._put()
+            if etag is None:
+                found = self._read()
+                if found is not None and found[1] is not None and self._ours(found[0]):
+                    etag = found[1]
+            if etag is None:
+                self.lost = True
+                log.error("%s: the lock was taken over by another run", self.remote.where(LOCK))
+            else:
+                self.etag, self.refreshed = etag, time.monotonic()
 
-    def check(self) -> None:
+    def _ours(self, holder: dict[str, Any]) -> bool:
+        return holder.get("run_id") == self.run_id and all(
+            holder.get(k) == v for k, v in self.holder.items()
+        )
+
+    def check(self, server: bool = False) -> None:
+        """Raises if this run may no longer hold the lock: taken over, or not refreshed for
+        `stale_s` (another run may have taken it meanwhile). `server`: the lock read back too
+        (before the commit)."""
+        if not self.lost and time.monotonic() - self.refreshed > self.stale_s:
+            self.lost = True  # heartbeats kept failing: another run may hold it now
+        if not self.lost and server and self._s3:
+            with self._writing:  # not while a heartbeat's write changes the ETag
+                found = self._read()
+                self.lost = found is None or found[1] != self.etag
         if self.lost:
             raise RuntimeError(
-                f"{self.remote.where(LOCK)}: another run took over this run's lock (it was "
-                f"not refreshed for {self.stale_s:.0f} s); stopping before the commit"
+                f"{self.remote.where(LOCK)}: this run no longer holds the prefix's lock (taken "
+                f"over, or not refreshed for {self.stale_s:.0f} s); stopping before writing more"
             )
 
     def _beat(self) -> None:
@@ -171,6 +207,14 @@ class BucketLock:
         if found is not None and (found[1] is None or found[1] == self.etag):
             self.remote.remove([LOCK])
         self.etag = None
+
+
+def _boot_id() -> str:
+    """This boot of this machine: hosts can share a name (containers), never a boot id."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def describe(holder: dict[str, Any]) -> str:

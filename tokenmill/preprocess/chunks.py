@@ -132,7 +132,7 @@ def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResu
     for _ in chunk.read_errors:  # unreadable: no domain, no tokens
         _ledger(ledgers, "").records_read += 1
         _ledger(ledgers, "").drop("bad_record", 1, 0)
-    masker.ahead = encode_ahead(masker, chunk.records)
+    masker.encoded = encode_ahead(masker, chunk.records)
     by_domain: dict[str, list[dict]] = {}
     for record in chunk.records:
         try:

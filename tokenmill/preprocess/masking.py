@@ -3,8 +3,7 @@
 Sits between records.py and fields.py (raw JSON, checked fields) and packing: everything a
 trainer will learn from is decided here (which tokens train, what a too-long record keeps),
 so every rule is explicit, every bad record raises a RecordError naming file, line and
-field, and every token rendered or cut is tallied for the ledger.
-"""
+field, and every token rendered or cut is tallied for the ledger."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ class RecordMasker(OutputLayout):
         self.bundle = bundle
         self._dtypes = self.dtypes()
         self.roles = config.known_roles()
-        self.ahead: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
+        self.encoded: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
         sections = [*config.input.sections]
         sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
         if any(s.train_spans == "generation" for s in sections):
@@ -289,7 +288,7 @@ class RecordMasker(OutputLayout):
         add_special = (
             section.add_special_tokens if section.add_special_tokens is not None else first
         )
-        text, ahead = self.ahead.pop(id(value), (None, None))  # encoded with its chunk
+        text, ahead = self.encoded.pop(id(value), (None, None))  # encoded with its chunk
         ids = encode_text(self.bundle, value, add_special, ahead if text is value else None)
         mask = np.full(len(ids), section.action == "train", dtype=bool)
         if (

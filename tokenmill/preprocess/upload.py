@@ -75,8 +75,11 @@ class BucketOutput:
         self.lock.acquire()
         try:
             yield
-        finally:
-            self.lock.release()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the run's own error is the one to see
+                self.lock.release()
+            raise
+        self.lock.release()
 
     def __str__(self) -> str:
         return self.url
@@ -244,6 +247,7 @@ class BucketOutput:
                 continue  # drain: the run is failing
             domain, name = item
             try:
+                self.lock.check()  # never write into a prefix another run now holds
                 self.sync_journal()
                 local = self.local / domain / name if domain else self.local / name
                 self.remote.upload_shard(local, self.rel(domain, name))
@@ -267,7 +271,7 @@ class BucketOutput:
         manifest.json (the commit point), then the run folder removed, here and there."""
         self._stop()
         self._raise_failed()
-        self.lock.check()  # a run whose lock another took over never commits
+        self.lock.check(server=True)  # a run whose lock another took over never commits
         if (self.local / "rejects.jsonl").exists():
             self.remote.put([(self.local / "rejects.jsonl", "rejects.jsonl")])
         self.remote.put([(self.local / "manifest.json", "manifest.json")])
@@ -279,7 +283,7 @@ class BucketOutput:
         bucket is deleted, as the local output's shards are."""
         self._error = self._error or RuntimeError("the run stopped")
         self._stop()
-        if remove:
+        if remove and not self.lock.lost:  # never delete what a run that took over wrote
             self.remote.remove([k for k in self.remote.listing() if k != LOCK])
             shutil.rmtree(self.local, ignore_errors=True)
 

@@ -99,9 +99,14 @@ class ShardCache:
 
     @property
     def counts(self) -> CacheStats:
-        if self._pid != os.getpid():  # a forked worker counts its own
-            self._stats, self._pid = CacheStats(), os.getpid()
+        self.claim()
         return self._stats
+
+    def claim(self) -> None:
+        """A forked worker counts its own, and keeps none of its parent's look-ahead."""
+        if self._pid != os.getpid():
+            self._stats, self._pid = CacheStats(), os.getpid()
+            self.keep, self.later = set(), {}
 
     # --- metadata ------------------------------------------------------------------------
     def metas(self, listed: list[tuple[str, dict]]) -> list[tuple[str, bytes]]:
@@ -321,6 +326,7 @@ class ShardCache:
         if self.limit is None:
             return
         shards = self.dir / "shards"
+        self.claim()
         kept = {keep, *(shards / rel for rel in self.keep)}
         later = {shards / rel: rank for rel, rank in self.later.items()}
         evicted, total = evict(self.root, self.limit, need, kept, later)

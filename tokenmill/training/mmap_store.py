@@ -258,6 +258,7 @@ class MmapStore(Store):
         lookup. Returns the place of the first item not covered, or None."""
         assert self.cache is not None
         cache, prefetcher = self.cache, self._prefetcher()
+        cache.claim()  # a forked worker: its own look-ahead, not its parent's
         starts = self._view_starts if last is not None else np.asarray(self._record_starts)
         top = len(starts) - 2
         ends = first if last is None else last

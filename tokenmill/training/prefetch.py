@@ -137,7 +137,7 @@ class Prefetcher:
 # --- ahead of the sample order ------------------------------------------------------------
 ORDER_LOOKAHEAD = 128  # positions of the sample order whose shards are fetched ahead (0: off)
 LOOK_EVERY = 32  # positions read between two looks ahead
-AHEAD_SHARE = 0.5  # the most of the cache's limit the shards looked ahead at may hold
+AHEAD_SHARE = 0.5  # of the cache limit, for the shards looked ahead at (all workers together)
 
 
 def order_read_ahead(
@@ -193,6 +193,6 @@ class OrderReadAhead:
         indices = order_at(positions, self.n, self.seed, epoch, self.shuffle)
         ranges = self.dataset.item_ranges(indices)
         first, last = ranges if ranges is not None else (indices, None)
-        stop = self.store.fetch_ahead(first, last, AHEAD_SHARE)
+        stop = self.store.fetch_ahead(first, last, AHEAD_SHARE / self.share[1])  # per worker
         if stop is not None:  # the budget stopped it: look again halfway to that item
             self.next = position + max(1, stop * self.share[1] // 2) * step
