@@ -2,8 +2,10 @@
 
 Both runs are the whole Pipeline (read, mask, pack, write shards) over chat SFT records; the
 Ray engine's time includes its scan pass and its actor pool's start (Ray itself is started once,
-before timing). Prints records/s and tokens/s, medians of `repeats`, and the Ray/local ratio.
-Run: python benchmarks/bench_ray.py [--copies 3] [--repeats 3] [--workers 2] [--ray-address ADDR]
+before timing), a fixed cost that a larger input amortises: so each size in `copies` (copies of
+the 1,000-record sample; 8 is about 10M tokens, bench_preprocess's size) gets its own row.
+Prints records/s and tokens/s, medians of `repeats`, and the Ray/local ratio per size.
+Run: python benchmarks/bench_ray.py [--copies 3 8] [--repeats 3] [--workers 2] [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -22,52 +24,60 @@ from bench_preprocess import (  # the same corpus and end-to-end run as the loca
 
 
 def main(
-    copies: int = 3, repeats: int = 3, workers: int | None = None, ray_address: str | None = None
+    copies: int | tuple[int, ...] = (3, 8),
+    repeats: int = 3,
+    workers: int | None = None,
+    ray_address: str | None = None,
 ) -> dict[str, float]:
     import ray
 
+    sizes = (copies,) if isinstance(copies, int) else tuple(copies)
     workers = workers or os.cpu_count() or 1
     if ray_address:
         ray.init(address=ray_address)
     else:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
-    rates: dict[str, list[tuple[float, float]]] = {"local": [], "ray": []}
+    rows: dict[int, dict[str, tuple[float, float]]] = {}
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = corpus(copies, Path(tmp))
-            for i in range(repeats):
-                for engine in rates:
-                    seconds, records, tokens = run(
-                        path, Path(tmp) / f"{engine}{i}", workers, engine
-                    )
-                    rates[engine].append((records / seconds, tokens / seconds))
+        for size in sizes:
+            rates: dict[str, list[tuple[float, float]]] = {"local": [], "ray": []}
+            with tempfile.TemporaryDirectory() as tmp:
+                path = corpus(size, Path(tmp))
+                for i in range(repeats):
+                    for engine in rates:
+                        seconds, records, tokens = run(
+                            path, Path(tmp) / f"{engine}{i}", workers, engine
+                        )
+                        rates[engine].append((records / seconds, tokens / seconds))
+            rows[size] = {
+                e: (statistics.median(r for r, _ in v), statistics.median(t for _, t in v))
+                for e, v in rates.items()
+            }
     finally:
         ray.shutdown()
-    med = {
-        e: (statistics.median(r for r, _ in v), statistics.median(t for _, t in v))
-        for e, v in rates.items()
-    }
-    print(
-        f"preprocessing engines, chat SFT ({copies}x1000 records, {workers} workers, median of {repeats})"
+    print(f"preprocessing engines, chat SFT ({workers} workers, median of {repeats})")
+    print(f"{'records':>8} {'engine':<8}{'records/s':>12}{'tokens/s':>14}{'ratio':>8}")
+    figures: dict[str, float] = {}
+    for size, med in rows.items():
+        for engine, (records, tokens) in med.items():
+            ratio = tokens / med["local"][1]
+            print(f"{size * 1000:>8,} {engine:<8}{records:>12,.0f}{tokens:>14,.0f}{ratio:>8.2f}")
+        figures[f"ratio at {size * 1000} records"] = med["ray"][1] / med["local"][1]
+    largest = rows[max(rows)]
+    figures.update(
+        local_tokens_per_s=largest["local"][1],
+        ray_tokens_per_s=largest["ray"][1],
+        ratio=largest["ray"][1] / largest["local"][1],
     )
-    print(f"{'engine':<8}{'records/s':>12}{'tokens/s':>14}{'ratio':>8}")
-    for engine, (records, tokens) in med.items():
-        print(f"{engine:<8}{records:>12,.0f}{tokens:>14,.0f}{tokens / med['local'][1]:>8.2f}")
-    return {
-        "local_tokens_per_s": med["local"][1],
-        "ray_tokens_per_s": med["ray"][1],
-        "local_records_per_s": med["local"][0],
-        "ray_records_per_s": med["ray"][0],
-        "ratio": med["ray"][1] / med["local"][1],
-    }
+    return figures
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--copies", type=int, default=3)
+    parser.add_argument("--copies", type=int, nargs="+", default=[3, 8])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--ray-address", default=None)
     args = parser.parse_args()
-    main(args.copies, args.repeats, args.workers, args.ray_address)
+    main(tuple(args.copies), args.repeats, args.workers, args.ray_address)
     sys.exit(0)
