@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import os
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,7 @@ class ChunkWorker:
     """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # an actor holds at most one CPU
         self.masker = RecordMasker(
             PipelineConfig.from_dict(config_data), load_tokenizer(tokenizer_path)
         )
