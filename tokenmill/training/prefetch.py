@@ -76,9 +76,11 @@ class Prefetcher:
                 futures.append(future)
         return futures
 
-    def _done(self, view: int, _: Future) -> None:
+    def _done(self, view: int, future: Future) -> None:
         with self.lock:
             self.inflight.pop(view, None)
+        if not future.cancelled() and future.exception() is not None:  # said even if no read
+            log.warning("download of shard %d failed: %r", view, future.exception())
 
     def wait(self, views: Iterable[int]) -> None:
         """Downloads these views in parallel and waits for them all (a batch's shards)."""
