@@ -309,7 +309,8 @@ def test_packed_collator_takes_document_starts_from_stored_boundaries():
     positions=st.booleans(),
 )
 def test_packing_stacked_windows_equals_packing_the_items(rows, width, seed, pad, positions):
-    """collate_stacked (the loader's path for windows) gives what collate gives the items."""
+    """collate_stacked (samples of one length, stacked as default_collate stacks them) gives
+    what collate gives the items."""
     rng = np.random.default_rng(seed)
     stacked = {
         "input_ids": torch.from_numpy(rng.integers(0, 50, (rows, width))),
