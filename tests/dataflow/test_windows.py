@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from helpers import write_sft_rows
 from resume import same
 
 from tokenmill.dataflow import (
@@ -20,7 +20,6 @@ from tokenmill.dataflow import (
 )
 from tokenmill.dataflow.loader import run_roles
 from tokenmill.dataflow.processors import IdentityProcessor
-from tokenmill.shards.writer import ShardWriter
 from tokenmill.training.datasets import SEQDataset, SFTDataset
 from tokenmill.training.mmap_store import MmapStore
 from tokenmill.training.state import epoch_order
@@ -33,19 +32,7 @@ WINDOW, BATCH, SEED = 7, 4, 3
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Rows of 3 to 20 tokens in shards of about 40: many windows cross a shard boundary."""
-    root = tmp_path_factory.mktemp("windows")
-    rng = np.random.default_rng(0)
-    with ShardWriter(root, SFT, "sequence", max_tokens_per_shard=40) as writer:
-        for _ in range(40):
-            n = int(rng.integers(3, 21))
-            writer.add(
-                {
-                    "sequence": rng.integers(0, 150_000, n),
-                    "loss_mask": rng.random(n) < 0.6,
-                    "position_ids": np.arange(n),
-                }
-            )
-    return root
+    return write_sft_rows(tmp_path_factory.mktemp("windows"), 0, rows=40, lengths=(3, 21), shard=40)
 
 
 def dataset(kind: str, root: Path):

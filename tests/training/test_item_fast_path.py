@@ -5,14 +5,15 @@ under any open-shard limit; it keeps the open-shard limit and never travels in a
 from __future__ import annotations
 
 import json
-import pickle
+import pickle  # dumps only: the size of what a worker is sent
+from copy import deepcopy
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import write_sft_rows
 
-from tokenmill.shards.writer import ShardWriter
 from tokenmill.training.datasets import SEQDataset, SFTDataset
 from tokenmill.training.jsonl_store import JsonlStore
 from tokenmill.training.mmap_store import MmapStore
@@ -24,19 +25,7 @@ WINDOW, STRIDE = 6, 4
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Rows of 2 to 14 tokens in shards of about 25: many windows cross a shard boundary."""
-    out = tmp_path_factory.mktemp("items")
-    rng = np.random.default_rng(1)
-    with ShardWriter(out, SFT, "sequence", max_tokens_per_shard=25) as writer:
-        for _ in range(30):
-            n = int(rng.integers(2, 15))
-            writer.add(
-                {
-                    "sequence": rng.integers(0, 150_000, n),
-                    "loss_mask": rng.random(n) < 0.6,
-                    "position_ids": np.arange(n),
-                }
-            )
-    return out
+    return write_sft_rows(tmp_path_factory.mktemp("items"), 1, rows=30, lengths=(2, 15), shard=25)
 
 
 def stream(store) -> dict[str, np.ndarray]:
@@ -130,12 +119,14 @@ def test_the_open_shard_limit_keeps_the_most_recently_read(root):
     assert not store._opened and store._hot[0] == -1  # no view held past the limit
 
 
-def test_a_pickled_store_carries_no_map_and_reads_the_same(root):
+def test_a_copied_store_carries_no_map_and_reads_the_same(root):
+    """copy.deepcopy takes the state pickling sends a worker (`__getstate__`), with no bytes
+    to unpickle."""
     store = MmapStore(window_size=WINDOW, stride=STRIDE).load(root)
     ds = SFTDataset(store, sample="window")
     first = ds[3]
     assert store._hot[0] >= 0  # a view is held for the next read
-    copy = pickle.loads(pickle.dumps(ds))
+    copy = deepcopy(ds)
     assert copy.store._hot[0] == -1 and not copy.store._opened  # paths travel, maps do not
     for key, value in copy[3].items():
         assert torch.equal(value, first[key])

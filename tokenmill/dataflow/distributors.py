@@ -22,6 +22,7 @@ from tokenmill.training.state import (
     order_blocks,
     order_setup,
     order_state,
+    worker_of,
 )
 
 __all__ = [
@@ -73,14 +74,14 @@ class DataDistributor(ABC):
 def worker_share(
     indices: Iterable[Any], worker_id: int, num_workers: int, block: int = 1
 ) -> Iterator[Any]:
-    """Indices of blocks worker_id, worker_id + num_workers, ... of `block` consecutive indices.
-    Pulls no index past the one it yields, so the source's position stays exact."""
+    """Indices of blocks worker_id, worker_id + num_workers, ... of `block` consecutive indices
+    (`worker_of`); pulls no index past the one it yields, so the source's position stays exact."""
     if not 0 <= worker_id < num_workers or block < 1:
         raise ValueError(
             f"need 0 <= worker_id < num_workers and block >= 1, got {worker_id}, {num_workers}, {block}"
         )
     for q, index in enumerate(indices):
-        if (q // block) % num_workers == worker_id:
+        if worker_of(q, block, num_workers) == worker_id:
             yield index
 
 

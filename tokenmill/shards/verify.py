@@ -91,7 +91,8 @@ def _sampled_pages(shard: Path, rel: str, meta: dict) -> list[str]:
     rng = random.Random()
     for key, entry in meta.items():
         files = [(f"{key}.bin", entry)]
-        files += [(b["file"], b) for b in (entry.get("offsets"), entry.get("items")) if _file(b)]
+        bounds = (entry.get("offsets"), entry.get("items"))
+        files += [(b["file"], b) for b in bounds if isinstance(b, dict)]
         for name, info in files:
             if "pages" not in info:
                 continue  # written before pages had checksums: nothing to sample
@@ -103,10 +104,6 @@ def _sampled_pages(shard: Path, rel: str, meta: dict) -> list[str]:
             if bad is not None:
                 return [f"{rel}/{name}: key {key!r}: {bad}: the data is corrupted"]
     return []
-
-
-def _file(bounds: object) -> bool:
-    return isinstance(bounds, dict)
 
 
 def _bad_page(path: Path, pages: dict, picked: Iterable[int]) -> str | None:

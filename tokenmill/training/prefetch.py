@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.training.state import order_at
+from tokenmill.training.state import order_at, worker_of
 
 log = logging.getLogger("tokenmill.cache")
 
@@ -166,7 +166,7 @@ def own_positions(positions: np.ndarray, given: int, share: tuple[int, int, int]
     """Those of the next `positions` (the order's, from the `given`-th index on) that fall to
     this worker under `share` (worker, workers, block), as `worker_share` deals them."""
     worker, workers, block = share
-    return positions[((given + np.arange(len(positions))) // block) % workers == worker]
+    return positions[worker_of(given + np.arange(len(positions)), block, workers) == worker]
 
 
 class OrderReadAhead:

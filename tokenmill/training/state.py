@@ -85,6 +85,12 @@ def order_blocks(
         yield from order_at(positions, num_items, seed, epoch, shuffle).tolist()
 
 
+def worker_of(q: Any, block: int, num_workers: int) -> Any:
+    """Which loader worker reads the q-th index of a rank's stream (an int or an array): blocks
+    of `block` indices dealt round robin (`dataflow.distributors.worker_share`)."""
+    return (q // block) % num_workers
+
+
 def epoch_end(num_items: int, consumed: int, world_size: int, drop_last: bool) -> int:
     """Global end position (exclusive) of an epoch of which `consumed` positions are done.
 
