@@ -22,6 +22,7 @@ from tokenmill.shards.format import Column, primary_key
 
 Transform = Callable[[dict], dict]
 Hot = tuple[int, int, int, dict[str, np.ndarray]]  # view read last: start, end, stream values
+Record = tuple[int, np.ndarray, np.ndarray]  # a view's first record, a plain key's offsets, values
 NO_HOT: Hot = (-1, 0, -1, {})
 MAX_OPEN_SHARDS = 32  # an open shard holds a file descriptor per file (Python < 3.13 mmap); the limit is often 1,024
 
@@ -94,6 +95,7 @@ class Store:
         self._hot: Hot = NO_HOT
         self._last = -1  # the view touched last: already the most recent in `_opened`
         self._view_values: dict[int, dict[str, np.ndarray]] = {}  # stream keys of open views
+        self._records: dict[tuple[int, str], Record] = {}  # (view, plain key) read by record
 
     def load(
         self,
@@ -106,7 +108,7 @@ class Store:
 
     def __getstate__(self) -> dict:
         """The view read last is not pickled: a copy finds its own on its first read."""
-        return {**self.__dict__, "_hot": NO_HOT, "_last": -1, "_view_values": {}}
+        return {**self.__dict__, "_hot": NO_HOT, "_last": -1, "_view_values": {}, "_records": {}}
 
     # --- layout --------------------------------------------------------------------------
     def _set_views(self, views: list[ShardView]) -> None:
@@ -127,7 +129,7 @@ class Store:
         self._record_starts = cumulative([s.records for s in views])
         self._values = {k: _KeyValues(self, k) for k in self._keys}
         self._opened = OrderedDict()
-        self._hot, self._last, self._view_values = NO_HOT, -1, {}
+        self._hot, self._last, self._view_values, self._records = NO_HOT, -1, {}, {}
         self._shared_starts = self._starts[primary_key(self._keys)]
         self._stream_keys = {k for k, st in self._starts.items() if st == self._shared_starts}
         self._views = views
@@ -155,6 +157,7 @@ class Store:
         while len(self._opened) > self.max_open_shards:
             closed, _ = self._opened.popitem(last=False)
             self._view_values.pop(closed, None)
+            self._records = {at: r for at, r in self._records.items() if at[0] != closed}
             if closed == self._hot[0]:  # never hold a view the limit closed
                 self._hot = NO_HOT
         return columns
@@ -269,10 +272,8 @@ class Store:
     ) -> dict[str, np.ndarray]:
         """[len(begins), length] of each key's stream, row j from begins[j]: a batch of windows
         read into one array per key (a slice copy per row), with no item per window."""
-        views = self._loaded()
-        out = {
-            k: np.empty((len(begins), length), dtype=views[0].dtypes[self._key(k)]) for k in keys
-        }
+        dtypes = self._loaded()[0].dtypes
+        out = {k: np.empty((len(begins), length), dtype=dtypes[self._key(k)]) for k in keys}
         for j, begin in enumerate(np.asarray(begins, dtype=np.int64).tolist()):
             inside = self._one_view(begin, begin + length, keys)
             if inside is not None:
@@ -319,14 +320,11 @@ class Store:
             array = values.get(key)
             if array is not None:
                 return array[begin - start : end - start]
-        if key not in self._stream_keys:
-            self._loaded()
-            self._key(key)
-            return self._array(begin, end, key)
-        found = self.locate(begin, end)  # makes the view holding them the view read last
-        if found is None:
-            return self._array(begin, end, key)
-        return found[0][key][found[1] : found[1] + end - begin]
+        found = self.locate(begin, end) if key in self._stream_keys else None
+        if found is not None:  # locate made the view holding them the view read last
+            return found[0][key][found[1] : found[1] + end - begin]
+        self._loaded()
+        return self._array(begin, end, self._key(key))
 
     def _array(self, begin: int, end: int, key: str) -> np.ndarray:
         starts = self._starts[key]
@@ -346,14 +344,22 @@ class Store:
     # --- record access -------------------------------------------------------------------
     def fetch_record(self, i: int, keys: str | list[str]) -> Any:
         """Record i: a tensor per plain key, a list of tensors per list key."""
-        if isinstance(keys, str):  # one key: no dict on the way (records are small and many)
-            value = self._value(i, keys)
-            return as_tensors(value) if isinstance(value, list) else to_tensor(value)
-        return {key: as_tensors(self._value(i, key)) for key in keys}
+        if not isinstance(keys, str):
+            return {key: self.fetch_record(i, key) for key in keys}
+        s = bisect_right(self._record_starts, i) - 1
+        # a plain key of a view read before: near the raw read's cost (records are small, many)
+        found = self._records.get((s, keys))  # none past the ends: _value raises
+        if found is None:
+            return as_tensors(self._value(i, keys))
+        if s != self._last and s in self._opened:  # the LRU's order stays exact
+            self._opened.move_to_end(s)
+            self._last = s
+        first, offsets, values = found
+        return torch.from_numpy(np.array(values[offsets[i - first] : offsets[i - first + 1]]))
 
     def _value(self, i: int, key: str) -> Any:
-        """Record i's array of `key` (a list of arrays for a list key): the view by bisection,
-        then its offsets. Kept short: it is most of a small record's cost beyond the copy."""
+        """Record i's array of `key` (a list of arrays for a list key), by bisection; a plain
+        key's maps are kept for fetch_record while the view stays open."""
         starts = self._record_starts
         s = bisect_right(starts, i) - 1
         if i < 0 or s + 1 >= len(starts):
@@ -365,8 +371,9 @@ class Store:
                 f"{self._loaded()[s].name}: key {key!r} has no record offsets, so it reads "
                 "only as a stream (fetch)"
             )
-        local = i - starts[s]
-        begin, end = col.offsets[local], col.offsets[local + 1]
+        if col.items is None and (s in self._opened or self._loaded()[s].columns is not None):
+            self._records[s, key] = (starts[s], col.offsets, col.values)
+        begin, end = col.offsets[i - starts[s]], col.offsets[i - starts[s] + 1]
         if col.items is None:
             return col.values[begin:end]
         items = col.items[begin : end + 1].tolist()
@@ -379,10 +386,7 @@ class Store:
             col = self._key_bounds(s, self._key(key))
             if col.offsets is None:
                 raise ValueError(f"{view.name}: key {key!r} has no record offsets")
-            bounds = np.asarray(
-                col.offsets if col.items is None else col.items[np.asarray(col.offsets)]
-            )
-            views.append(np.diff(bounds))
+            views.append(np.diff(col.offsets if col.items is None else col.items[col.offsets]))
         return np.concatenate(views).astype(np.int64) if views else np.empty(0, np.int64)
 
 
@@ -393,6 +397,4 @@ def cumulative(lengths: list[int]) -> list[int]:
 
 def as_tensors(value: Any) -> Any:
     """A record's array as a tensor, a list key's arrays as a list of tensors (writable copies)."""
-    if isinstance(value, list):
-        return [torch.from_numpy(np.array(v)) for v in value]
-    return torch.from_numpy(np.array(value))
+    return [to_tensor(v) for v in value] if isinstance(value, list) else to_tensor(value)
