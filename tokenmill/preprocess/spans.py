@@ -16,7 +16,7 @@ import numpy as np
 from tokenmill.preprocess.chat_template import Renderer, render_generation_spans
 from tokenmill.preprocess.content_spans import content_starts
 from tokenmill.preprocess.probe_spans import header_opener, prefix_starts
-from tokenmill.preprocess.token_offsets import TokenOffsets, added_table
+from tokenmill.preprocess.token_offsets import TokenOffsets, encode_offsets
 from tokenmill.preprocess.tokenizer import TokenizerBundle
 
 
@@ -40,13 +40,11 @@ def render_conversation(
         text, spans = render_generation_spans(
             bundle, messages, add_generation_prompt, tools, **(template_kwargs or {})
         )
-        encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
-        ids = np.asarray(encoding.ids, dtype=np.int32)
-        first = np.asarray([a for a, _ in encoding.offsets], dtype=np.int64)
-        mask = np.zeros(len(ids), dtype=bool)
+        offsets = encode_offsets(bundle, text)
+        mask = np.zeros(len(offsets.ids), dtype=bool)
         for a, b in spans:
-            mask |= (first >= a) & (first < b)
-        return _with_bos(bundle, ids, mask)
+            mask |= (offsets.starts >= a) & (offsets.starts < b)
+        return _with_bos(bundle, offsets.ids, mask)
     if len(actions) != len(messages):
         raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
     render = Renderer(bundle, tools, template_kwargs)
@@ -56,9 +54,7 @@ def render_conversation(
         closed = render(messages, False)
         if text.startswith(closed):
             prompt_start = len(closed)
-    encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
-    ids = np.asarray(encoding.ids, dtype=np.int32)
-    offsets = TokenOffsets(encoding, ids, added_table(bundle.tokenizer))
+    offsets = encode_offsets(bundle, text)
     tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
     opener = header_opener(render) if tooling else None
     if opener:  # tool calls and results: each message's span is what it adds to the rendering
@@ -79,7 +75,7 @@ def render_conversation(
             span_starts = [0] * len(messages)  # message 0 owns the preamble: never trained
         if tooling:  # no header opening to find (DeepSeek): the prefix probes alone
             span_starts[1:] = prefix_starts(render, messages, text, span_starts[0], offsets, None)
-    return _with_bos(bundle, ids, _span_mask(offsets, span_starts, actions, prompt_start))
+    return _with_bos(bundle, offsets.ids, _span_mask(offsets, span_starts, actions, prompt_start))
 
 
 def _span_mask(

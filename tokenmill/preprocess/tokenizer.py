@@ -130,8 +130,11 @@ def encode_text(
     its tokenizer.json post-processor, and one leading BOS only where tokenizer_config.json
     sets `add_bos_token` (as transformers does). A GPT-2-style folder that names a BOS token
     but does not add it gets none. `ids`: the same text's encoding, made ahead in a batch."""
-    if ids is None:
-        ids = bundle.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    if ids is None:  # the same ids as `encode`, without the offsets no one reads here
+        [encoding] = bundle.tokenizer.encode_batch_fast(
+            [text], add_special_tokens=add_special_tokens
+        )
+        ids = encoding.ids
     if add_special_tokens and bundle.add_bos_token and bundle.bos_id is not None:
         if ids[:1] != [bundle.bos_id]:
             ids = [bundle.bos_id, *ids]

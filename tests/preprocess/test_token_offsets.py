@@ -1,0 +1,94 @@
+"""Token positions derived from the ids (byte-level BPE) are the tokenizer's own offsets: on
+every shipped conversation rendered by each shipped template, on arbitrary text, and through
+the fallback where the text or the tokenizer rules the derivation out."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+
+import numpy as np
+import orjson
+import pytest
+import tokenizers
+from helpers import DATA, TOKENIZERS
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenmill.preprocess.chat_template import render_text
+from tokenmill.preprocess.token_offsets import _byte_level, encode_offsets
+from tokenmill.preprocess.tokenizer import TokenizerBundle, load_tokenizer
+
+FAMILIES = ["qwen2.5", "qwen3", "deepseek-v3"]
+
+
+def conversations() -> list[list[dict]]:
+    """Chat (English), DPO replies and tool calls (Chinese) of the shipped samples."""
+    chats = [orjson.loads(x)["messages"] for x in (DATA / "chat_sharegpt_1000.jsonl").open("rb")]
+    pairs = [orjson.loads(x) for x in (DATA / "dpo_en_300.jsonl").open("rb")]
+    roles = {"human": "user", "gpt": "assistant", "function_call": "assistant"}
+    roles |= {"observation": "user"}
+    tools = [
+        [{"role": roles[m["from"]], "content": m["value"]} for m in r["conversations"]]
+        for r in json.loads((DATA / "toolcall_glaive_zh_300.json").read_text())
+    ]
+    return chats[:300] + [p[k] for p in pairs[:100] for k in ("chosen", "rejected")] + tools[:100]
+
+
+def assert_same_as_encode(bundle: TokenizerBundle, text: str) -> bool:
+    """encode_offsets agrees with `encode` on ids and offsets; True where it derived them."""
+    offsets = encode_offsets(bundle, text)
+    encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
+    assert offsets.ids.tolist() == encoding.ids
+    expected = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    assert offsets.starts.tolist() == expected[:, 0].tolist()
+    assert offsets.ends.tolist() == expected[:, 1].tolist()
+    for at in {0, len(text) // 3, len(text) // 2, len(text)}:
+        assert offsets.count_before(at) == int((expected[:, 0] < at).sum())
+    return offsets.encoding is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_derived_positions_are_the_tokenizers_offsets_on_shipped_conversations(family):
+    bundle = load_tokenizer(TOKENIZERS / family)
+    texts = [render_text(bundle, messages) for messages in conversations()]
+    derived = [assert_same_as_encode(bundle, text) for text in texts]
+    assert all(derived)  # every shipped rendering takes the fast way
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.text(st.characters(exclude_categories=["Cs"]), max_size=40),
+            st.sampled_from(["<|im_start|>", "<|im_end|>", "<think>", "<｜User｜>", " ", "\n"]),
+        ),
+        max_size=8,
+    ),
+    family=st.sampled_from(FAMILIES),
+)
+def test_derived_positions_hold_on_any_text(pieces, family):
+    """Combining marks, emoji split across tokens, non-NFC text (the fallback), control text."""
+    text = "".join(pieces)
+    derived = assert_same_as_encode(load_tokenizer(TOKENIZERS / family), text)
+    if derived and family.startswith("qwen"):  # an NFC normalizer: only NFC text is derived
+        assert unicodedata.is_normalized("NFC", text)
+
+
+def test_text_the_normalizer_changes_falls_back_to_the_tokenizers_offsets():
+    bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
+    text = unicodedata.normalize("NFD", "café and naïve résumé")  # NFC joins the accents
+    assert not assert_same_as_encode(bundle, text)
+
+
+def test_tokenizers_it_cannot_derive_for_use_their_offsets():
+    """Not byte-level (a word-level model), or a normalizer that rewrites text (lower case)."""
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hi": 0, "[UNK]": 1}, "[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    qwen = load_tokenizer(TOKENIZERS / "qwen2.5")
+    lower = tokenizers.Tokenizer.from_str(qwen.tokenizer.to_str())
+    lower.normalizer = tokenizers.normalizers.Lowercase()
+    for tokenizer in (words, lower):
+        assert _byte_level(tokenizer) == (None, "")
+        bundle = TokenizerBundle(tokenizer, None, None, None, None, None, None, "", "")
+        assert not assert_same_as_encode(bundle, "hi there HI")
