@@ -123,7 +123,7 @@ def test_inputs_given_as_urls_give_the_same_shards(tmp_path):
     cfg = config("seq", preprocessing={"batch_size": 16}, output={"max_tokens_per_shard": 8_000})
     fsspec.filesystem("memory").pipe("/pipeline/c4.jsonl", src.read_bytes())
     Pipeline(cfg, [src], tmp_path / "path", QWEN, workers=1).run()
-    # file:// through spawned workers; memory:// lives in this process only, so inline
+    # file:// on two threads, memory:// on one
     for url, workers in ((src.as_uri(), 2), ("memory://pipeline", 1)):
         out = tmp_path / url.split(":")[0]
         Pipeline(cfg, [url], out, QWEN, workers=workers).run()
@@ -481,11 +481,12 @@ def test_values_and_domains_that_cannot_be_stored_are_named(tmp_path):
 @pytest.mark.slow
 def test_pool_workers_exit_when_their_parent_is_killed(tmp_path):
     """As the kernel's OOM killer would: SIGKILL the preprocessing parent; its pool workers
-    are gone within seconds instead of holding their memory forever."""
+    (4 workers: 2 processes of 2 threads) are gone within seconds instead of holding their
+    memory forever."""
     for i in range(6):
         (tmp_path / f"part{i}.jsonl").write_bytes((DATA / "chat_sharegpt_1000.jsonl").read_bytes())
     cmd = [sys.executable, "-m", "tokenmill", "preprocess", str(tmp_path), "-o", str(tmp_path / "out"),
-           "--type", "sft", "--tokenizer", str(QWEN), "--workers", "2"]  # fmt: skip
+           "--type", "sft", "--tokenizer", str(QWEN), "--workers", "4"]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def children() -> list[int]:

@@ -398,11 +398,13 @@ HOSTILE = (
 )
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_templates_that_loop_or_allocate_without_bound_are_counted_bad_records(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, workers
 ):
     """Each hostile record is a named template_error the run skips and counts; the good
-    records around them are written as usual."""
+    records around them are written as usual. On two threads, a record a chunk (batch_size
+    1), two renderings are watched at once: each is stopped, in its own thread."""
     from tokenmill.preprocess import chat_template
     from tokenmill.preprocess.config import PipelineConfig
     from tokenmill.preprocess.pipeline import Pipeline
@@ -422,13 +424,13 @@ def test_templates_that_loop_or_allocate_without_bound_are_counted_bad_records(
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(r) + "\n" for r in records))
     data = default_config("sft").model_dump(mode="json")
-    data["preprocessing"]["min_chars"] = 0
+    data["preprocessing"].update(min_chars=0, batch_size=1)
     summary = Pipeline(
         PipelineConfig.from_dict(data),
         [src],
         tmp_path / "out",
         folder,
-        workers=1,
+        workers=workers,
         on_error="skip",
         progress=False,
     ).run()

@@ -122,12 +122,13 @@ class _BudgetedSandbox(ImmutableSandboxedEnvironment):
 class _Watchdog:
     """One thread per process that stops a rendering past its deadline: it raises
     TemplateBudget in the rendering thread (an asynchronous exception, delivered between
-    bytecodes), which a loop with no output would otherwise never give a chance to check."""
+    bytecodes), which a loop with no output would otherwise never give a chance to check.
+    Each rendering thread has its own deadline (a run renders on several threads)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.watched: tuple[int, float, object] | None = None  # (thread, deadline, token)
-        self.fired: object | None = None
+        self.watched: dict[int, tuple[float, object]] = {}  # thread -> (deadline, token)
+        self.fired: dict[int, object] = {}  # thread -> token of an exception maybe undelivered
         self.pid = os.getpid()
         threading.Thread(target=self._run, daemon=True, name="tokenmill-render-watchdog").start()
 
@@ -135,39 +136,43 @@ class _Watchdog:
         while True:
             time.sleep(0.05)
             with self.lock:
-                if self.watched and time.monotonic() > self.watched[1]:
-                    thread, _, token = self.watched
-                    self.fired, self.watched = token, None
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                        ctypes.c_ulong(thread), ctypes.py_object(TemplateBudget)
-                    )
+                now = time.monotonic()
+                for thread, (deadline, token) in list(self.watched.items()):
+                    if now > deadline:
+                        del self.watched[thread]
+                        self.fired[thread] = token
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                            ctypes.c_ulong(thread), ctypes.py_object(TemplateBudget)
+                        )
 
     def watch(self, seconds: float) -> object:
         token = object()
         with self.lock:
-            self.watched = (threading.get_ident(), time.monotonic() + seconds, token)
+            self.watched[threading.get_ident()] = (time.monotonic() + seconds, token)
         return token
 
     def release(self, token: object) -> None:
+        thread = threading.get_ident()
         with self.lock:
-            if self.watched and self.watched[2] is token:
-                self.watched = None
-            if self.fired is token:  # fired, maybe not yet delivered: take it back
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(threading.get_ident()), None
-                )
-                self.fired = None
+            if self.watched.get(thread, (0, None))[1] is token:
+                del self.watched[thread]
+            if self.fired.get(thread) is token:  # fired, maybe not yet delivered: take it back
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), None)
+                del self.fired[thread]
 
 
 _WATCHDOG: _Watchdog | None = None
+_WATCHDOG_LOCK = threading.Lock()
 
 
 def _rendered(template: jinja2.Template, context: dict[str, Any], pieces: list[str]) -> str:
     """The template's output, piece by piece, within the time and size budgets."""
     global _WATCHDOG
-    if _WATCHDOG is None or _WATCHDOG.pid != os.getpid():  # a forked child has no thread
-        _WATCHDOG = _Watchdog()
-    token = _WATCHDOG.watch(RENDER_SECONDS)
+    with _WATCHDOG_LOCK:  # one per process, whichever thread renders first
+        if _WATCHDOG is None or _WATCHDOG.pid != os.getpid():  # a forked child has no thread
+            _WATCHDOG = _Watchdog()
+        watchdog = _WATCHDOG
+    token = watchdog.watch(RENDER_SECONDS)
     size = 0
     try:
         for piece in template.generate(**context):
@@ -180,7 +185,7 @@ def _rendered(template: jinja2.Template, context: dict[str, Any], pieces: list[s
             raise TemplateBudget(f"the rendering took longer than {RENDER_SECONDS:g} s") from None
         raise
     finally:
-        _WATCHDOG.release(token)
+        watchdog.release(token)
     return "".join(pieces)
 
 
@@ -306,9 +311,10 @@ class Renderer:
         text = _PROBES.get(key)
         if text is None:
             text = self(messages, add_generation_prompt)
-            if len(_PROBES) >= _PROBES_MAX:
-                del _PROBES[next(iter(_PROBES))]  # the oldest
-            _PROBES[key] = text
+            with _PROBES_LOCK:  # chunks render on several threads
+                if len(_PROBES) >= _PROBES_MAX:
+                    del _PROBES[next(iter(_PROBES))]  # the oldest
+                _PROBES[key] = text
         return text
 
     @cached_property
@@ -326,6 +332,7 @@ class Renderer:
 
 
 _PROBES: dict[Hashable, str] = {}
+_PROBES_LOCK = threading.Lock()
 _PROBES_MAX = 4096
 
 

@@ -8,7 +8,9 @@ yields depend only on its records, never on which worker ran it.
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,14 +89,41 @@ def iter_chunks(
         yield chunk
 
 
-_MASKER: RecordMasker | None = None
+THREADS = 2  # chunks a process works on at once: one thread encodes (no GIL) while another masks
+
+
+class Maskers:
+    """A masker per thread (a masker holds its chunk's texts encoded ahead), all on the one
+    tokenizer of the process."""
+
+    def __init__(self, config_data: dict, tokenizer_path: str):
+        self.config = PipelineConfig.from_dict(config_data)
+        self.bundle = load_tokenizer(tokenizer_path)
+        self._local = threading.local()
+
+    def process(self, chunk: Chunk) -> ChunkResult:
+        masker = getattr(self._local, "masker", None)
+        if masker is None:
+            masker = self._local.masker = RecordMasker(self.config, self.bundle)
+        return process_chunk(chunk, masker)
+
+
+_MASKERS: Maskers | None = None
+_THREADS: ThreadPoolExecutor | None = None
 
 
 def setup_worker(config_data: dict, tokenizer_path: str) -> None:
-    """Load the tokenizer and masker once per worker process."""
-    global _MASKER
-    config = PipelineConfig.from_dict(config_data)
-    _MASKER = RecordMasker(config, load_tokenizer(tokenizer_path))
+    """A worker process: the tokenizer loaded once, and the threads its chunks run on."""
+    global _MASKERS, _THREADS
+    _MASKERS = Maskers(config_data, tokenizer_path)
+    _THREADS = ThreadPoolExecutor(THREADS, thread_name_prefix="tokenmill-chunk")
+
+
+def process_chunks(chunks: list[Chunk]) -> list[ChunkResult]:
+    """A worker process's work item: up to THREADS chunks, processed at once on its threads."""
+    if _MASKERS is None or _THREADS is None:
+        raise RuntimeError("process_chunks called before setup_worker")
+    return list(_THREADS.map(_MASKERS.process, chunks))
 
 
 def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
@@ -120,12 +149,9 @@ def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
     return {id(text): (text, e.ids) for text, e in zip(texts, encodings, strict=True)}
 
 
-def process_chunk(chunk: Chunk, masker: RecordMasker | None = None) -> ChunkResult:
+def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
     """A chunk's rows, per domain, and its ledger: every record and token read is written or
     dropped by reason (bad records, filters, truncation, packing overflow)."""
-    masker = masker or _MASKER
-    if masker is None:
-        raise RuntimeError("process_chunk called before setup_worker")
     config = masker.config
     errors = list(chunk.read_errors)
     ledgers: dict[str, Ledger] = {}

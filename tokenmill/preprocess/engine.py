@@ -15,8 +15,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from itertools import chain, islice
 from multiprocessing import get_context
 from pathlib import Path
@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tokenmill.shards.writer import ShardWriter
 
 if TYPE_CHECKING:  # the chunk machinery (tokenizer, templates) loads when a run starts
-    from tokenmill.preprocess.chunks import ChunkResult
+    from tokenmill.preprocess.chunks import Chunk, ChunkResult
     from tokenmill.preprocess.config import PipelineConfig
     from tokenmill.preprocess.inputs import InputPath
 
 ENGINES = ("local", "ray")
+PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
 class Engine(Protocol):
@@ -65,8 +66,8 @@ def _pool_worker(parent: int, config_data: dict, tokenizer_path: str) -> None:
     OOM killer does not stop a pool's workers; each holds a tokenizer's memory)."""
     from tokenmill.preprocess.chunks import setup_worker
 
-    # a worker per core: a batched encode on threads of its own would crowd the other workers
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # a thread per core: a batched encode on threads of its own would crowd the other workers
+    os.environ[PARALLELISM] = "false"
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     setup_worker(config_data, tokenizer_path)
 
@@ -78,7 +79,10 @@ def _exit_with(parent: int) -> None:
 
 
 class LocalEngine:
-    """Chunks processed by `workers` spawned processes (default: every core), in chunk order."""
+    """Chunks processed by `workers` threads (default: a thread per core), in chunk order,
+    THREADS to a process: while one thread encodes (the tokenizer lets go of the GIL), another
+    renders and masks. Up to THREADS workers run in this process, with nothing to start or
+    pickle; more run in spawned processes of THREADS threads each (workers rounded up)."""
 
     def __init__(self, workers: int | None):
         self.workers = workers
@@ -94,29 +98,28 @@ class LocalEngine:
         collect_errors: bool,
         first_chunk: int,
     ) -> Generator[ChunkResult, None, None]:
-        from tokenmill.preprocess.chunks import iter_chunks, process_chunk, setup_worker
+        from tokenmill.preprocess.chunks import THREADS, iter_chunks, process_chunks
 
         chunks = (c for c in iter_chunks(files, config, collect_errors) if c.index >= first_chunk)
         args = (config.model_dump(mode="json"), tokenizer_path)
         workers = self.workers or os.cpu_count() or 1
-        first = list(islice(chunks, 2))
-        if workers == 1 or len(first) < 2:  # one chunk: starting worker processes costs more
-            setup_worker(*args)
-            for chunk in chain(first, chunks):
-                yield process_chunk(chunk)
+        first = list(islice(chunks, THREADS + 1))
+        if workers <= THREADS or len(first) <= THREADS:  # a process to start would cost more
+            yield from _in_process(chain(first, chunks), min(workers, THREADS), args)
             return
+        processes = -(-workers // THREADS)
         ctx = get_context("spawn")  # safe beside a parent running torch or tokenizer threads
         setup = (os.getpid(), *args)
         with ProcessPoolExecutor(
-            workers, mp_context=ctx, initializer=_pool_worker, initargs=setup
+            processes, mp_context=ctx, initializer=_pool_worker, initargs=setup
         ) as pool:
-            pending: deque[Future[ChunkResult]] = deque()
-            for chunk in chain(first, chunks):
-                pending.append(pool.submit(process_chunk, chunk))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
+            pending: deque[Future[list[ChunkResult]]] = deque()
+            for group in _groups(chain(first, chunks), THREADS):
+                pending.append(pool.submit(process_chunks, group))
+                if len(pending) >= 2 * processes:
+                    yield from pending.popleft().result()
             while pending:
-                yield pending.popleft().result()
+                yield from pending.popleft().result()
 
     def writer(
         self,
@@ -131,3 +134,40 @@ class LocalEngine:
         return ShardWriter(
             domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format, first_index
         )
+
+
+def _in_process(
+    chunks: Iterator[Chunk], threads: int, args: tuple[dict, str]
+) -> Generator[ChunkResult, None, None]:
+    """Chunks processed on `threads` threads of this process. Meanwhile TOKENIZERS_PARALLELISM
+    is false here: an encode would hand each text to the tokenizer's own threads."""
+    from tokenmill.preprocess.chunks import Maskers
+
+    maskers = Maskers(*args)
+    if threads == 1:
+        for chunk in chunks:
+            yield maskers.process(chunk)
+        return
+    saved = os.environ.get(PARALLELISM)
+    os.environ[PARALLELISM] = "false"
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-chunk")
+    try:
+        pending: deque[Future[ChunkResult]] = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(maskers.process, chunk))
+            if len(pending) >= 2 * threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no chunk more
+        if saved is None:
+            os.environ.pop(PARALLELISM, None)
+        else:
+            os.environ[PARALLELISM] = saved
+
+
+def _groups(chunks: Iterator[Chunk], size: int) -> Iterator[list[Chunk]]:
+    """Consecutive chunks, `size` at a time: a worker process's work item."""
+    while group := list(islice(chunks, size)):
+        yield group
