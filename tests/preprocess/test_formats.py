@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -269,6 +271,7 @@ def test_generation_blocks_mark_what_trains_as_transformers_reads_them(tmp_path)
     masker = RecordMasker(chat_config(train_spans="generation"), load_tokenizer(tmp_path))
     with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
         chats = [json.loads(next(f))["messages"] for _ in range(20)]
+    wants = []
     for messages in chats:
         out = masker.process({"messages": messages})
         want = oracle.apply_chat_template(
@@ -276,6 +279,22 @@ def test_generation_blocks_mark_what_trains_as_transformers_reads_them(tmp_path)
         )
         assert out["sequence"].tolist() == list(want["input_ids"])
         assert out["loss_mask"].astype(int).tolist() == list(want["assistant_masks"])
+        wants.append(out["loss_mask"].tolist())
+    # as a run's threads do: two maskers rendering at once, each tracking its own blocks (the
+    # GIL switched often, so that renderings interleave)
+    config, bundle = chat_config(train_spans="generation"), load_tokenizer(tmp_path)
+    maskers = [RecordMasker(config, bundle), RecordMasker(config, bundle)]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with ThreadPoolExecutor(2) as threads:
+            got = threads.map(
+                lambda j: maskers[j % 2].process({"messages": chats[j % 20]})["loss_mask"].tolist(),
+                range(200),
+            )
+            assert list(got) == wants * 10
+    finally:
+        sys.setswitchinterval(switch)
     with pytest.raises(ValueError, match="no {% generation %} blocks"):
         RecordMasker(chat_config(train_spans="generation"), load_tokenizer(TOKENIZERS / "qwen2.5"))
 

@@ -5,6 +5,7 @@ the fallback where the text or the tokenizer rules the derivation out."""
 from __future__ import annotations
 
 import json
+import os
 import unicodedata
 
 import numpy as np
@@ -17,9 +18,22 @@ from hypothesis import strategies as st
 
 from tokenmill.preprocess.chat_template import render_text
 from tokenmill.preprocess.token_offsets import _byte_level, encode_offsets
-from tokenmill.preprocess.tokenizer import TokenizerBundle, load_tokenizer
+from tokenmill.preprocess.tokenizer import (
+    TokenizerBundle,
+    load_tokenizer,
+    tokenizer_threads_are_off,
+    tokenizer_threads_off,
+)
 
 FAMILIES = ["qwen2.5", "qwen3", "deepseek-v3"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def threads_off():
+    """As in a run's workers: positions are derived only where the tokenizer's threads are off."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TOKENIZERS_PARALLELISM", "false")
+        yield
 
 
 def conversations() -> list[list[dict]]:
@@ -82,13 +96,49 @@ def test_text_the_normalizer_changes_falls_back_to_the_tokenizers_offsets():
 
 
 def test_tokenizers_it_cannot_derive_for_use_their_offsets():
-    """Not byte-level (a word-level model), or a normalizer that rewrites text (lower case)."""
+    """Not byte-level (a word-level model); a normalizer that rewrites text (lower case);
+    offsets that leave out characters a token stands for: trimmed (GPT-2-style
+    post-processors), a prefix space, added tokens that strip their neighbours (whose bytes
+    could make up for a prefix space)."""
     words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hi": 0, "[UNK]": 1}, "[UNK]"))
     words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    qwen = load_tokenizer(TOKENIZERS / "qwen2.5")
-    lower = tokenizers.Tokenizer.from_str(qwen.tokenizer.to_str())
+    qwen = load_tokenizer(TOKENIZERS / "qwen2.5").tokenizer
+    variants = [tokenizers.Tokenizer.from_str(qwen.to_str()) for _ in range(4)]
+    lower, trimmed, prefixed, stripping = variants
     lower.normalizer = tokenizers.normalizers.Lowercase()
-    for tokenizer in (words, lower):
+    trimmed.post_processor = tokenizers.processors.ByteLevel(trim_offsets=True)
+    prefixed.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
+    stripping.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=True)
+    stripping.add_special_tokens([tokenizers.AddedToken("<|x|>", lstrip=True, special=True)])
+    for tokenizer in (words, *variants):
         assert _byte_level(tokenizer) == (None, "")
         bundle = TokenizerBundle(tokenizer, None, None, None, None, None, None, "", "")
-        assert not assert_same_as_encode(bundle, "hi there HI")
+        for text in ("hi there HI", "hi <|x|> and  more <|im_end|>"):
+            assert not assert_same_as_encode(bundle, text)
+
+
+def test_with_the_tokenizers_threads_on_its_own_encode_is_used(monkeypatch):
+    """A one-text batched encode would start the tokenizer's thread pool, and a DataLoader
+    worker forked after that warns: outside a run's workers, `encode` as before."""
+    bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    assert not assert_same_as_encode(bundle, "hi there")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    assert not assert_same_as_encode(bundle, "hi there")
+
+
+@pytest.mark.parametrize("before", [None, "true"])
+def test_runs_turn_the_tokenizers_threads_off_and_the_last_one_back(monkeypatch, before):
+    """Two runs in one process, overlapping: the value before the first comes back only after
+    the last (not the first's "false" restored by the second)."""
+    if before is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM")
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", before)
+    first, second = tokenizer_threads_off(), tokenizer_threads_off()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert tokenizer_threads_are_off()
+    second.__exit__(None, None, None)
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == before

@@ -63,8 +63,9 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
 
-# While `render_generation_spans` runs: (the pieces rendered so far, the spans found).
-_TRACKING: tuple[list[str], list[tuple[int, int]]] | None = None
+# While `render_generation_spans` runs in a thread: (the pieces rendered so far, the spans
+# found), that thread's own (a run renders on several threads at once).
+_TRACKING = threading.local()
 
 
 class _GenerationBlocks(jinja2.ext.Extension):
@@ -81,8 +82,9 @@ class _GenerationBlocks(jinja2.ext.Extension):
 
     def _block(self, caller: Any) -> str:
         text = caller()
-        if _TRACKING is not None:
-            pieces, spans = _TRACKING
+        tracking = getattr(_TRACKING, "spans", None)
+        if tracking is not None:
+            pieces, spans = tracking
             start = sum(len(p) for p in pieces)
             spans.append((start, start + len(text)))
         return text
@@ -232,15 +234,14 @@ def render_generation_spans(
     **template_kwargs: Any,
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendering, and the character spans of its `{% generation %}` blocks."""
-    global _TRACKING
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     context = _context(bundle, messages, add_generation_prompt, tools, template_kwargs)
-    _TRACKING = (pieces, spans)
+    _TRACKING.spans = (pieces, spans)
     try:
         text = _rendered(_compile(bundle.chat_template or ""), context, pieces)
     finally:
-        _TRACKING = None
+        _TRACKING.spans = None
     return text, spans
 
 

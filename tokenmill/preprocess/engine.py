@@ -4,8 +4,9 @@ The pipeline talks to one interface: `session()` holds what the run needs (Ray: 
 connection), `results()` yields each chunk's `ChunkResult` in chunk order, and `writer()`
 gives a domain's shard writer (for output to a bucket, `bucket` is the run's BucketOutput:
 the Ray engine's write tasks upload their shards themselves; the local engine's shards are
-uploaded by the BucketOutput as they are published). `LocalEngine` uses a process pool on this machine;
-`RayEngine` (ray_engine.py) a Ray cluster, with the same chunks, cut and bytes.
+uploaded by the BucketOutput as they are published). `LocalEngine` uses threads of this
+machine (two to a process); `RayEngine` (ray_engine.py) a Ray cluster, with the same chunks,
+cut and bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ if TYPE_CHECKING:  # the chunk machinery (tokenizer, templates) loads when a run
     from tokenmill.preprocess.inputs import InputPath
 
 ENGINES = ("local", "ray")
-PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
 class Engine(Protocol):
@@ -67,7 +67,7 @@ def _pool_worker(parent: int, config_data: dict, tokenizer_path: str) -> None:
     from tokenmill.preprocess.chunks import setup_worker
 
     # a thread per core: a batched encode on threads of its own would crowd the other workers
-    os.environ[PARALLELISM] = "false"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     setup_worker(config_data, tokenizer_path)
 
@@ -105,14 +105,16 @@ class LocalEngine:
         workers = self.workers or os.cpu_count() or 1
         first = list(islice(chunks, THREADS + 1))
         if workers <= THREADS or len(first) <= THREADS:  # a process to start would cost more
-            yield from _in_process(chain(first, chunks), min(workers, THREADS), args)
+            threads = max(1, min(workers, THREADS, len(first)))
+            yield from _in_process(chain(first, chunks), threads, args)
             return
         processes = -(-workers // THREADS)
         ctx = get_context("spawn")  # safe beside a parent running torch or tokenizer threads
         setup = (os.getpid(), *args)
-        with ProcessPoolExecutor(
+        pool = ProcessPoolExecutor(
             processes, mp_context=ctx, initializer=_pool_worker, initargs=setup
-        ) as pool:
+        )
+        try:
             pending: deque[Future[list[ChunkResult]]] = deque()
             for group in _groups(chain(first, chunks), THREADS):
                 pending.append(pool.submit(process_chunks, group))
@@ -120,6 +122,8 @@ class LocalEngine:
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 
     def writer(
         self,
@@ -139,32 +143,23 @@ class LocalEngine:
 def _in_process(
     chunks: Iterator[Chunk], threads: int, args: tuple[dict, str]
 ) -> Generator[ChunkResult, None, None]:
-    """Chunks processed on `threads` threads of this process. Meanwhile TOKENIZERS_PARALLELISM
-    is false here: an encode would hand each text to the tokenizer's own threads."""
+    """Chunks processed on `threads` threads of this process."""
     from tokenmill.preprocess.chunks import Maskers
+    from tokenmill.preprocess.tokenizer import tokenizer_threads_off
 
     maskers = Maskers(*args)
-    if threads == 1:
-        for chunk in chunks:
-            yield maskers.process(chunk)
-        return
-    saved = os.environ.get(PARALLELISM)
-    os.environ[PARALLELISM] = "false"
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-chunk")
     try:
-        pending: deque[Future[ChunkResult]] = deque()
-        for chunk in chunks:
-            pending.append(pool.submit(maskers.process, chunk))
-            if len(pending) >= 2 * threads:
+        with tokenizer_threads_off():
+            pending: deque[Future[ChunkResult]] = deque()
+            for chunk in chunks:
+                pending.append(pool.submit(maskers.process, chunk))
+                if len(pending) >= 2 * threads:
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no chunk more
-        if saved is None:
-            os.environ.pop(PARALLELISM, None)
-        else:
-            os.environ[PARALLELISM] = saved
+        pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 
 
 def _groups(chunks: Iterator[Chunk], size: int) -> Iterator[list[Chunk]]:

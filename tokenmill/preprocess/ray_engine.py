@@ -1,10 +1,10 @@
 """Ray engine: the pipeline's chunks read, masked, packed and written on a Ray cluster.
 
-Used by `Pipeline(engine="ray")` in place of the local process pool:
+Used by `Pipeline(engine="ray")` in place of the local engine's threads:
 1. scan (Ray Data, a task per file, `plans.scan_file`): record counts, positions and read
    errors, so that the driver cuts the same chunks as `iter_chunks` (`plans.plan_chunks`);
 2. process (Ray Data `map_batches` on an actor pool that loads the tokenizer once per actor):
-   `process_chunk`, the local engine's own function, on THREADS threads; the rows stay in the object store and
+   `process_chunk`, the local engine's own function; the rows stay in the object store and
    only each chunk's counts reach the driver, in chunk order;
 3. write (Ray tasks): the driver cuts shards with the local writer's rule and a task per shard
    gathers its rows and writes it; the driver renames finished shards into place in order
@@ -20,7 +20,6 @@ import contextlib
 import math
 import os
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chunks import THREADS, ChunkResult, Maskers
+from tokenmill.preprocess.chunks import ChunkResult, process_chunk
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs import InputPath
+from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.plans import (
     FileRangeReader,
     FileScan,
@@ -40,6 +40,7 @@ from tokenmill.preprocess.plans import (
     work_units,
 )
 from tokenmill.preprocess.ray_writer import RayShardWriter, RowRef, Upload
+from tokenmill.preprocess.tokenizer import load_tokenizer
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
 
@@ -72,14 +73,13 @@ def connect(address: str | None) -> Iterator[ModuleType]:
 
 
 class ChunkWorker:
-    """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units,
-    THREADS chunks at once as the local engine's processes do."""
+    """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
-        # the actor's threads encode on their own: a batched encode may not add threads
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        self.maskers = Maskers(config_data, tokenizer_path)
-        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="tokenmill-chunk")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # an actor holds at most one CPU
+        self.masker = RecordMasker(
+            PipelineConfig.from_dict(config_data), load_tokenizer(tokenizer_path)
+        )
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         """A unit's plans in; one output row per chunk: its index, its counts (`meta`: the
@@ -89,19 +89,15 @@ class ChunkWorker:
         reader = FileRangeReader()
         try:
             for unit in batch["unit"]:
-                for at in range(0, len(unit), THREADS):
-                    plans = unit[at : at + THREADS]
-                    chunks = [read_chunk(plan, reader) for plan in plans]
-                    for plan, result in zip(
-                        plans, self.threads.map(self.maskers.process, chunks), strict=True
-                    ):
-                        rows = ChunkRows([row for _, row in result.rows])
-                        result.rows = [(domain, None) for domain, _ in result.rows]
-                        yield {
-                            "index": np.array([plan.index]),
-                            "meta": _objects([result]),
-                            "rows": _objects([rows]),
-                        }
+                for plan in unit:
+                    result = process_chunk(read_chunk(plan, reader), self.masker)
+                    rows = ChunkRows([row for _, row in result.rows])
+                    result.rows = [(domain, None) for domain, _ in result.rows]
+                    yield {
+                        "index": np.array([plan.index]),
+                        "meta": _objects([result]),
+                        "rows": _objects([rows]),
+                    }
         finally:
             reader.close()
 

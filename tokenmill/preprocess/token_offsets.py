@@ -12,13 +12,13 @@ import unicodedata
 from bisect import bisect_left, bisect_right
 from functools import cache, cached_property
 from operator import itemgetter
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import tokenizers
 from tokenizers import pre_tokenizers
 
-from tokenmill.preprocess.tokenizer import TokenizerBundle
+from tokenmill.preprocess.tokenizer import TokenizerBundle, tokenizer_threads_are_off
 
 Form = Literal["", "NFC", "NFD", "NFKC", "NFKD"]  # "": no normalizer
 
@@ -90,10 +90,15 @@ def encode_offsets(bundle: TokenizerBundle, text: str) -> TokenOffsets:
     """`text` encoded without special tokens, with where each token sits in it. Positions come
     from the ids' byte lengths where the tokenizer is byte-level BPE, its normalizer leaves
     this text as it is, and the bytes add up to the text's (no prefix space was added); from
-    the tokenizer's offsets otherwise. Both give the same positions (tests hold them equal)."""
+    the tokenizer's offsets otherwise. Both give the same positions (tests hold them equal);
+    only a normalizer newer than Python's Unicode tables could reorder marks the check passes."""
     tokenizer, table = bundle.tokenizer, added_table(bundle.tokenizer)
     lengths, form = _byte_level(tokenizer)
-    if lengths is not None and (not form or unicodedata.is_normalized(form, text)):
+    if (
+        lengths is not None
+        and tokenizer_threads_are_off()
+        and (not form or unicodedata.is_normalized(form, text))
+    ):
         ids = np.asarray(
             tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids, dtype=np.int32
         )
@@ -116,16 +121,20 @@ def _byte_level(tokenizer: tokenizers.Tokenizer) -> tuple[np.ndarray | None, For
     of a byte-level BPE tokenizer, where every vocabulary token is written in the byte-level
     alphabet (a character per byte) but the added tokens; (None, "") for any other tokenizer."""
     form = _normal_form(tokenizer.normalizer)
-    decoder = tokenizer.decoder
+    decoder, added = tokenizer.decoder, tokenizer.get_added_tokens_decoder()
     if (
         form is None
         or not isinstance(tokenizer.model, tokenizers.models.BPE)
         or decoder is None
         or json.loads(decoder.__getstate__()).get("type") != "ByteLevel"
+        # offsets that skip characters a token stands for: trimmed spaces, a space added in
+        # front or an added token's stripped neighbours (which could even out the bytes)
+        or _sets(tokenizer.post_processor, "trim_offsets")
+        or _sets(tokenizer.pre_tokenizer, "add_prefix_space")
+        or any(token.lstrip or token.rstrip for token in added.values())
     ):
         return None, ""
-    added = tokenizer.get_added_tokens_decoder()  # some also sit in the vocabulary (DeepSeek)
-    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    vocab = tokenizer.get_vocab(with_added_tokens=False)  # some added tokens are in it (DeepSeek)
     vocab = {token: i for token, i in vocab.items() if i not in added}
     if not set("".join(vocab)) <= set(pre_tokenizers.ByteLevel.alphabet()):
         return None, ""
@@ -135,6 +144,19 @@ def _byte_level(tokenizer: tokenizers.Tokenizer) -> tuple[np.ndarray | None, For
     for i, added_token in added.items():
         lengths[i] = len(added_token.content.encode("utf-8"))
     return lengths, form
+
+
+def _sets(component: Any, option: str) -> bool:
+    """Whether a tokenizer component, or any step of it, sets `option` true."""
+    if component is None:
+        return False
+
+    def found(node: Any) -> bool:
+        if isinstance(node, dict):
+            return node.get(option) is True or any(map(found, node.values()))
+        return isinstance(node, list) and any(map(found, node))
+
+    return found(json.loads(component.__getstate__()))
 
 
 def _normal_form(normalizer: tokenizers.normalizers.Normalizer | None) -> Form | None:

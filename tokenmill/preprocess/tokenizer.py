@@ -6,8 +6,12 @@ Loaded once per process; `TokenizerBundle.fingerprint` enters the run's identity
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -130,12 +134,50 @@ def encode_text(
     its tokenizer.json post-processor, and one leading BOS only where tokenizer_config.json
     sets `add_bos_token` (as transformers does). A GPT-2-style folder that names a BOS token
     but does not add it gets none. `ids`: the same text's encoding, made ahead in a batch."""
-    if ids is None:  # the same ids as `encode`, without the offsets no one reads here
+    if ids is None and tokenizer_threads_are_off():  # the same ids, without offsets
         [encoding] = bundle.tokenizer.encode_batch_fast(
             [text], add_special_tokens=add_special_tokens
         )
         ids = encoding.ids
+    elif ids is None:
+        ids = bundle.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
     if add_special_tokens and bundle.add_bos_token and bundle.bos_id is not None:
         if ids[:1] != [bundle.bos_id]:
             ids = [bundle.bos_id, *ids]
     return np.asarray(ids, dtype=np.int32)
+
+
+_PARALLELISM = "TOKENIZERS_PARALLELISM"
+
+
+def tokenizer_threads_are_off() -> bool:
+    """Whether TOKENIZERS_PARALLELISM turns the tokenizer's own threads off here, as in a run's
+    workers. Only then does a one-text `encode_batch_fast` replace `encode` (without offsets
+    it costs a tenth less): with them on it would start their pool, and a process forked
+    after that (a DataLoader worker) would warn and lose it."""
+    value = os.environ.get(_PARALLELISM)
+    return value is not None and value.lower() in ("", "off", "false", "f", "no", "n", "0")
+
+
+_OFF_LOCK = threading.Lock()
+_OFF_RUNS: list[str | None] = []  # the value before the first run that turned them off
+
+
+@contextlib.contextmanager
+def tokenizer_threads_off() -> Iterator[None]:
+    """TOKENIZERS_PARALLELISM false in this process while any run's threads encode (a batched
+    encode would hand each text to the tokenizer's own threads), its value back after the last."""
+    with _OFF_LOCK:
+        _OFF_RUNS.append(os.environ.get(_PARALLELISM))
+        os.environ[_PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        with _OFF_LOCK:
+            saved = _OFF_RUNS[0]
+            _OFF_RUNS.pop()
+            if not _OFF_RUNS:
+                if saved is None:
+                    os.environ.pop(_PARALLELISM, None)
+                else:
+                    os.environ[_PARALLELISM] = saved
