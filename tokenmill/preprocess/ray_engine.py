@@ -4,7 +4,7 @@ Used by `Pipeline(engine="ray")` in place of the local engine's threads:
 1. scan (Ray Data, a task per file, `plans.scan_file`): record counts, positions and read
    errors, so that the driver cuts the same chunks as `iter_chunks` (`plans.plan_chunks`);
 2. process (Ray Data `map_batches` on an actor pool that loads the tokenizer once per actor):
-   `process_chunk`, the local engine's own function; the rows stay in the object store and
+   `process_chunk`, the local engine's own function, on THREADS threads; the rows stay in the object store and
    only each chunk's counts reach the driver, in chunk order;
 3. write (Ray tasks): the driver cuts shards with the local writer's rule and a task per shard
    gathers its rows and writes it; the driver renames finished shards into place in order
@@ -20,6 +20,7 @@ import contextlib
 import math
 import os
 from collections.abc import Generator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -27,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chunks import ChunkResult, process_chunk
+from tokenmill.preprocess.chunks import THREADS, ChunkResult, Maskers
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs import InputPath
-from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.plans import (
+    ChunkPlan,
     FileRangeReader,
     FileScan,
     plan_chunks,
@@ -40,7 +41,6 @@ from tokenmill.preprocess.plans import (
     work_units,
 )
 from tokenmill.preprocess.ray_writer import RayShardWriter, RowRef, Upload
-from tokenmill.preprocess.tokenizer import load_tokenizer
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
 
@@ -73,13 +73,14 @@ def connect(address: str | None) -> Iterator[ModuleType]:
 
 
 class ChunkWorker:
-    """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units."""
+    """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units,
+    THREADS chunks at once as the local engine's processes do."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # an actor holds at most one CPU
-        self.masker = RecordMasker(
-            PipelineConfig.from_dict(config_data), load_tokenizer(tokenizer_path)
-        )
+        # the actor's threads encode on their own: a batched encode may not add threads
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.maskers = Maskers(config_data, tokenizer_path)
+        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="tokenmill-chunk")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         """A unit's plans in; one output row per chunk: its index, its counts (`meta`: the
@@ -89,15 +90,19 @@ class ChunkWorker:
         reader = FileRangeReader()
         try:
             for unit in batch["unit"]:
-                for plan in unit:
-                    result = process_chunk(read_chunk(plan, reader), self.masker)
-                    rows = ChunkRows([row for _, row in result.rows])
-                    result.rows = [(domain, None) for domain, _ in result.rows]
-                    yield {
-                        "index": np.array([plan.index]),
-                        "meta": _objects([result]),
-                        "rows": _objects([rows]),
-                    }
+                for at in range(0, len(unit), THREADS):
+                    plans = unit[at : at + THREADS]
+                    chunks = [read_chunk(plan, reader) for plan in plans]
+                    for plan, result in zip(
+                        plans, self.threads.map(self.maskers.process, chunks), strict=True
+                    ):
+                        rows = ChunkRows([row for _, row in result.rows])
+                        result.rows = [(domain, None) for domain, _ in result.rows]
+                        yield {
+                            "index": np.array([plan.index]),
+                            "meta": _objects([result]),
+                            "rows": _objects([rows]),
+                        }
         finally:
             reader.close()
 
@@ -142,7 +147,7 @@ def ray_results(
             for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
             if p.index >= first_chunk
         )
-        units = list(work_units(plans))
+        units = list(_pairs(work_units(plans)))
         if not units:
             return
         items = [{"first": unit[0].index, "unit": unit} for unit in units]
@@ -245,17 +250,33 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         options.preserve_order = saved[1]
 
 
+def _pairs(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
+    """Consecutive units joined until each has THREADS plans, so that an actor's threads have
+    a chunk each (a seekable file makes a unit per chunk); plans stay in order, read by one
+    reader, as a unit's are."""
+    joined: list[ChunkPlan] = []
+    for unit in units:
+        joined += unit
+        if len(joined) >= THREADS:
+            yield joined
+            joined = []
+    if joined:
+        yield joined
+
+
 def pool_size(cpus: float, workers: int | None) -> tuple[int, float]:
     """(actors, CPUs per actor): one CPU (half the cluster if it has less than two) stays free
-    for the shard writes (0.25 each) and Ray Data's own tasks; the actors share the rest, at
-    most one each (rounded down, so that reservation always holds: else a write could wait
-    for a CPU forever while the pool waits for the driver)."""
+    for the shard writes (0.25 each) and Ray Data's own tasks; `workers` (default: the CPUs
+    left) are threads, THREADS to an actor as to a local engine's process. The actors share
+    the rest, at most THREADS CPUs each (rounded down, so that reservation always holds: else
+    a write could wait for a CPU forever while the pool waits for the driver)."""
     free = min(1.0, cpus / 2)
-    size = workers if workers is not None else max(1, int(cpus - free))
+    threads = workers if workers is not None else max(1, int(cpus - free))
+    size = -(-threads // THREADS)
     share = math.floor(100 * (cpus - free) / size) / 100
     if share < 0.01:
-        raise ValueError(f"workers={size} is more than a Ray cluster of {cpus:g} CPUs can run")
-    return size, min(1.0, share)
+        raise ValueError(f"workers={threads} is more than a Ray cluster of {cpus:g} CPUs can run")
+    return size, min(float(THREADS), share)
 
 
 class RayEngine:
