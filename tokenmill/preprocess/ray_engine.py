@@ -20,7 +20,6 @@ import contextlib
 import math
 import os
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chunks import THREADS, ChunkResult, Maskers
+from tokenmill.preprocess.chunks import THREADS, ChunkResult, process_chunks, setup_worker
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.plans import (
@@ -79,8 +78,7 @@ class ChunkWorker:
     def __init__(self, config_data: dict, tokenizer_path: str):
         # the actor's threads encode on their own: a batched encode may not add threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        self.maskers = Maskers(config_data, tokenizer_path)
-        self.threads = ThreadPoolExecutor(THREADS, thread_name_prefix="tokenmill-chunk")
+        setup_worker(config_data, tokenizer_path)  # as a local engine's worker process
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         """A unit's plans in; one output row per chunk: its index, its counts (`meta`: the
@@ -93,9 +91,7 @@ class ChunkWorker:
                 for at in range(0, len(unit), THREADS):
                     plans = unit[at : at + THREADS]
                     chunks = [read_chunk(plan, reader) for plan in plans]
-                    for plan, result in zip(
-                        plans, self.threads.map(self.maskers.process, chunks), strict=True
-                    ):
+                    for plan, result in zip(plans, process_chunks(chunks), strict=True):
                         rows = ChunkRows([row for _, row in result.rows])
                         result.rows = [(domain, None) for domain, _ in result.rows]
                         yield {

@@ -160,24 +160,27 @@ def tokenizer_threads_are_off() -> bool:
 
 
 _OFF_LOCK = threading.Lock()
-_OFF_RUNS: list[str | None] = []  # the value before the first run that turned them off
+_off_runs = 0  # runs in this process that turned the tokenizer's threads off
+_off_saved: str | None = None  # the value before the first of them
 
 
 @contextlib.contextmanager
 def tokenizer_threads_off() -> Iterator[None]:
     """TOKENIZERS_PARALLELISM false in this process while any run's threads encode (a batched
     encode would hand each text to the tokenizer's own threads), its value back after the last."""
+    global _off_runs, _off_saved
     with _OFF_LOCK:
-        _OFF_RUNS.append(os.environ.get(_PARALLELISM))
+        if _off_runs == 0:
+            _off_saved = os.environ.get(_PARALLELISM)
+        _off_runs += 1
         os.environ[_PARALLELISM] = "false"
     try:
         yield
     finally:
         with _OFF_LOCK:
-            saved = _OFF_RUNS[0]
-            _OFF_RUNS.pop()
-            if not _OFF_RUNS:
-                if saved is None:
+            _off_runs -= 1
+            if _off_runs == 0:
+                if _off_saved is None:
                     os.environ.pop(_PARALLELISM, None)
                 else:
-                    os.environ[_PARALLELISM] = saved
+                    os.environ[_PARALLELISM] = _off_saved
