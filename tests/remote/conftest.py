@@ -79,8 +79,9 @@ def fast_retries(monkeypatch):
 
 class DroppingProxy:
     """A TCP proxy to the server that drops connections while `dropping` is set, `burst` in a
-    row of every `every` (two in a row get past the HTTP client's own silent retry of a
-    fresh connection): with `after` = 0 a connection is closed as soon as it opens; else a
+    row of every `every`, starting with the first (two in a row get past the HTTP client's own
+    silent retry of a fresh connection; the first ones are a job's first request, which no
+    other runs beside, so two of its tries are cut whatever runs in parallel later): with `after` = 0 a connection is closed as soon as it opens; else a
     request's reply is cut after `after` bytes (its headers through, its body not). `dropped`
     counts the cuts. It stops cutting before one request could lose all of the client's 6
     tries, however requests made in parallel line up with the cuts: after 5 cut replies (each
@@ -102,7 +103,7 @@ class DroppingProxy:
 
     def _chosen(self, count: int) -> bool:
         limit = 5 if self.after else 11
-        return self.dropping.is_set() and self.dropped < limit and count % self.every < self.burst
+        return self.dropping.is_set() and self.dropped < limit and (count - 1) % self.every < self.burst
 
     def _accept(self) -> None:
         while not self._stop:
