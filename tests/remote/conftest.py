@@ -103,7 +103,11 @@ class DroppingProxy:
 
     def _chosen(self, count: int) -> bool:
         limit = 5 if self.after else 11
-        return self.dropping.is_set() and self.dropped < limit and (count - 1) % self.every < self.burst
+        return (
+            self.dropping.is_set()
+            and self.dropped < limit
+            and (count - 1) % self.every < self.burst
+        )
 
     def _accept(self) -> None:
         while not self._stop:
