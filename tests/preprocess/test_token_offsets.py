@@ -17,7 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.preprocess.chat_template import render_text
-from tokenmill.preprocess.token_offsets import _byte_level, encode_offsets
+from tokenmill.preprocess.token_offsets import (
+    _byte_level,
+    _cuts_at_added,
+    _kept,
+    encode_offsets,
+)
 from tokenmill.preprocess.tokenizer import (
     TokenizerBundle,
     load_tokenizer,
@@ -87,6 +92,55 @@ def test_derived_positions_hold_on_any_text(pieces, family):
     derived = assert_same_as_encode(load_tokenizer(TOKENIZERS / family), text)
     if derived and family.startswith("qwen"):  # an NFC normalizer: only NFC text is derived
         assert unicodedata.is_normalized("NFC", text)
+
+
+PIECES = st.lists(
+    st.one_of(
+        st.text(st.characters(exclude_categories=["Cs"]), max_size=20),
+        st.sampled_from(["<|im_start|>", "<|im_end|>", "<think>", "<｜User｜>", "\n"]),
+    ),
+    max_size=5,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(start=PIECES, first=PIECES, second=PIECES, family=st.sampled_from(FAMILIES))
+def test_a_rendering_that_shares_a_start_with_the_last_encodes_only_the_rest(
+    start, first, second, family
+):
+    """The tokens before the last added token two texts share are kept from the last encoding;
+    ids and positions are still exactly `encode`'s, whatever follows."""
+    bundle = load_tokenizer(TOKENIZERS / family)
+    a, b = "".join(start + first), "".join(start + second)
+    assert_same_as_encode(bundle, a)
+    assert_same_as_encode(bundle, b)
+    assert_same_as_encode(bundle, a)  # and back
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_dpo_pair_encodes_its_prompt_once(family):
+    bundle = load_tokenizer(TOKENIZERS / family)
+    pair = orjson.loads((DATA / "dpo_en_300.jsonl").open("rb").readline())
+    chosen, rejected = (render_text(bundle, pair[k]) for k in ("chosen", "rejected"))
+    last = encode_offsets(bundle, chosen)
+    kept = _kept(last, rejected)
+    assert kept > 0 and last.ids[kept] in bundle.tokenizer.get_added_tokens_decoder()
+    assert chosen[: last.starts[kept]] == rejected[: last.starts[kept]]
+    assert assert_same_as_encode(bundle, rejected)
+
+
+def test_tokenizers_whose_added_tokens_can_overlap_encode_all_of_each_text():
+    """`q<a>z` holds `<a>`: where one added token can hold or overlap another, a match depends
+    on what follows it (`q<a>y` has `<a>` at 1, `q<a>z` does not), so nothing is kept."""
+    qwen = load_tokenizer(TOKENIZERS / "qwen2.5").tokenizer
+    assert _cuts_at_added(qwen)
+    for extra in (["<a>", "q<a>z"], ["q<a", "<a>z"]):
+        tokenizer = tokenizers.Tokenizer.from_str(qwen.to_str())
+        tokenizer.add_special_tokens(extra)
+        assert not _cuts_at_added(tokenizer)
+        bundle = TokenizerBundle(tokenizer, None, None, None, None, None, None, "", "")
+        for text in ("x<|im_end|>q<a>y", "x<|im_end|>q<a>z", "x<|im_end|>q<a>y"):
+            assert_same_as_encode(bundle, text)
 
 
 def test_text_the_normalizer_changes_falls_back_to_the_tokenizers_offsets():
