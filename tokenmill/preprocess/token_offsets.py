@@ -104,26 +104,40 @@ def encode_offsets(bundle: TokenizerBundle, text: str) -> TokenOffsets:
         and tokenizer_threads_are_off()
         and (not form or unicodedata.is_normalized(form, text))
     ):
-        last = getattr(_LAST, "offsets", None)
-        same = last is not None and last.table is table and _cuts_at_added(tokenizer)
-        kept = _kept(last, text) if same else 0
-        cut = int(last.starts[kept]) if kept else 0
-        assert last is not None or not kept
-        ids = np.asarray(
-            tokenizer.encode_batch_fast([text[cut:]], add_special_tokens=False)[0].ids,
-            dtype=np.int32,
-        )
-        positions = _positions(lengths, ids, text[cut:])
-        if positions is not None and (not kept or ids[0] == last.ids[kept]):
-            starts, ends = positions
-            if kept:  # the tokens before the shared added token, then the rest's
-                ids = np.concatenate([last.ids[:kept], ids])
-                starts = np.concatenate([last.starts[:kept], starts + cut])
-                ends = np.concatenate([last.ends[:kept], ends + cut])
-            _LAST.offsets = TokenOffsets(ids, table, starts=starts, ends=ends, text=text)
-            return _LAST.offsets
+        derived = _derived(tokenizer, table, lengths, text)
+        if derived is not None:
+            _LAST.offsets = derived
+            return derived
     encoding = tokenizer.encode(text, add_special_tokens=False)
     return TokenOffsets(np.asarray(encoding.ids, dtype=np.int32), table, encoding, text=text)
+
+
+def _derived(
+    tokenizer: tokenizers.Tokenizer, table: np.ndarray, lengths: np.ndarray, text: str
+) -> TokenOffsets | None:
+    """`text`'s ids, positions from their byte lengths; the tokens before the last added token
+    it shares with the thread's last rendering are that one's. None where the bytes do not add
+    up to the text's."""
+    last: TokenOffsets | None = getattr(_LAST, "offsets", None)
+    if last is None or last.table is not table or not _cuts_at_added(tokenizer):
+        last = None
+    kept = _kept(last, text) if last is not None else 0
+    cut = int(last.starts[kept]) if last is not None and kept else 0
+    ids = np.asarray(
+        tokenizer.encode_batch_fast([text[cut:]], add_special_tokens=False)[0].ids,
+        dtype=np.int32,
+    )
+    positions = _positions(lengths, ids, text[cut:])
+    if positions is None:
+        return None
+    starts, ends = positions
+    if last is not None and kept:  # the kept tokens, then the rest's, which starts with
+        if ids[0] != last.ids[kept]:  # the shared added token
+            return None
+        ids = np.concatenate([last.ids[:kept], ids])
+        starts = np.concatenate([last.starts[:kept], starts + cut])
+        ends = np.concatenate([last.ends[:kept], ends + cut])
+    return TokenOffsets(ids, table, starts=starts, ends=ends, text=text)
 
 
 _LAST = threading.local()  # each thread's last derived encoding: `offsets`
