@@ -77,8 +77,7 @@ class TokenOffsets:
     @cached_property
     def is_control(self) -> np.ndarray:
         """Which tokens are added tokens (template control text)."""
-        ids, table = self.ids, self.table
-        return table[np.minimum(ids, len(table) - 1)] & (ids < len(table))
+        return self.table[self.ids]
 
     @property
     def control(self) -> tuple[np.ndarray, np.ndarray]:
@@ -150,11 +149,11 @@ def _positions(
     stands for; None where they do not add up to the text's."""
     sizes = lengths[ids]
     ends = np.cumsum(sizes)
-    data = text.encode("utf-8")
-    if not len(ids) or ends[-1] != len(data):
+    data = None if text.isascii() else text.encode("utf-8")
+    if not len(ids) or ends[-1] != len(text if data is None else data):
         return None
     starts = ends - sizes
-    if len(data) != len(text):  # not ASCII: byte positions -> character positions
+    if data is not None:  # byte positions -> character positions
         char_of = np.cumsum((np.frombuffer(data, np.uint8) & 0xC0) != 0x80) - 1
         starts, ends = char_of[starts], char_of[ends - 1] + 1
     return starts, ends
@@ -163,16 +162,16 @@ def _positions(
 def _kept(last: TokenOffsets, text: str) -> int:
     """How many of `last`'s tokens `text` has too: those before the last added token that
     both texts have whole at the same place (0 if none but the first)."""
-    a, b = last.text, text
-    low, high = 0, min(len(a), len(b))  # the length of the common start, by bisection
+    tokens, start = np.flatnonzero(last.is_control), last.text
+    ends = last.ends[tokens].tolist()
+    low, high = 0, len(tokens)  # how many added tokens the texts share, by bisection
     while low < high:
         mid = (low + high + 1) // 2
-        if a[:mid] == b[:mid]:
+        if text.startswith(start[: ends[mid - 1]]):
             low = mid
         else:
             high = mid - 1
-    shared = np.flatnonzero(last.is_control & (last.ends <= low))
-    return int(shared[-1]) if len(shared) else 0
+    return int(tokens[low - 1]) if low else 0
 
 
 @cache
@@ -252,9 +251,10 @@ def _normal_form(normalizer: tokenizers.normalizers.Normalizer | None) -> Form |
 
 @cache
 def added_table(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
-    """Lookup table id -> is an added token, for O(1) tests per token."""
+    """Lookup table id -> is an added token, for every id the tokenizer gives."""
     added = _added_ids(tokenizer)
-    table = np.zeros(int(added.max()) + 2 if len(added) else 1, dtype=bool)
+    ids = tokenizer.get_vocab(with_added_tokens=True).values()
+    table = np.zeros(max([*ids, *added.tolist(), 0]) + 1, dtype=bool)
     table[added] = True
     return table
 
