@@ -194,12 +194,14 @@ def _byte_level(tokenizer: tokenizers.Tokenizer) -> tuple[np.ndarray | None, For
     ):
         return None, ""
     vocab = tokenizer.get_vocab(with_added_tokens=False)  # some added tokens are in it (DeepSeek)
-    vocab = {token: i for token, i in vocab.items() if i not in added}
-    if not set("".join(vocab)) <= set(pre_tokenizers.ByteLevel.alphabet()):
+    ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))
+    sizes = np.fromiter(map(len, vocab), dtype=np.int32, count=len(vocab))
+    plain = ~np.isin(ids, list(added))
+    tokens = "".join(token for token, i in vocab.items() if i not in added)
+    if not set(tokens) <= set(pre_tokenizers.ByteLevel.alphabet()):
         return None, ""
-    lengths = np.zeros(max([*vocab.values(), *added]) + 1, dtype=np.int32)
-    for token, i in vocab.items():
-        lengths[i] = len(token)
+    lengths = np.zeros(max([int(ids.max(initial=0)), *added]) + 1, dtype=np.int32)
+    lengths[ids[plain]] = sizes[plain]
     for i, added_token in added.items():
         lengths[i] = len(added_token.content.encode("utf-8"))
     return lengths, form
@@ -252,9 +254,12 @@ def _normal_form(normalizer: tokenizers.normalizers.Normalizer | None) -> Form |
 @cache
 def added_table(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
     """Lookup table id -> is an added token, for every id the tokenizer gives."""
-    added = _added_ids(tokenizer)
-    ids = tokenizer.get_vocab(with_added_tokens=True).values()
-    table = np.zeros(max([*ids, *added.tolist(), 0]) + 1, dtype=bool)
+    added, lengths = _added_ids(tokenizer), _byte_level(tokenizer)[0]
+    if lengths is not None:  # it has every id already
+        size = len(lengths)
+    else:
+        size = max([*tokenizer.get_vocab(with_added_tokens=True).values(), *added.tolist(), 0]) + 1
+    table = np.zeros(size, dtype=bool)
     table[added] = True
     return table
 
