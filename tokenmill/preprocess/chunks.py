@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,9 +122,25 @@ def setup_worker(config_data: dict, tokenizer_path: str) -> None:
 
 def process_chunks(chunks: list[Chunk]) -> list[ChunkResult]:
     """A worker process's work item: up to THREADS chunks, processed at once on its threads."""
+    return list(process_stream(iter(chunks)))
+
+
+def process_stream(chunks: Iterator[Chunk]) -> Iterator[ChunkResult]:
+    """Chunks processed on the worker's threads as they are read, in order: one more than the
+    threads is read ahead, so a thread that is done takes the next chunk at once."""
     if _MASKERS is None or _THREADS is None:
         raise RuntimeError("process_chunks called before setup_worker")
-    return list(_THREADS.map(_MASKERS.process, chunks))
+    pending: deque[Future[ChunkResult]] = deque()
+    try:
+        for chunk in chunks:
+            pending.append(_THREADS.submit(_MASKERS.process, chunk))
+            if len(pending) > THREADS:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:  # an error or a closed stream: nothing more
+            future.cancel()
 
 
 def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:

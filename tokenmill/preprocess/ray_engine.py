@@ -4,8 +4,9 @@ Used by `Pipeline(engine="ray")` in place of the local engine's threads:
 1. scan (Ray Data, a task per file, `plans.scan_file`): record counts, positions and read
    errors, so that the driver cuts the same chunks as `iter_chunks` (`plans.plan_chunks`);
 2. process (Ray Data `map_batches` on an actor pool that loads the tokenizer once per actor):
-   `process_chunk`, the local engine's own function, on THREADS threads; the rows stay in the object store and
-   only each chunk's counts reach the driver, in chunk order;
+   `process_chunk`, the local engine's own function, on THREADS threads that take each chunk
+   as it is read; the rows stay in the object store and only each chunk's counts reach the
+   driver, in chunk order;
 3. write (Ray tasks): the driver cuts shards with the local writer's rule and a task per shard
    gathers its rows and writes it; the driver renames finished shards into place in order
    (output to a bucket: the task uploads its shard, meta.json last, after the driver has
@@ -27,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chunks import THREADS, ChunkResult, process_chunks, setup_worker
+from tokenmill.preprocess.chunks import THREADS, ChunkResult, process_stream, setup_worker
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.plans import (
@@ -73,7 +74,7 @@ def connect(address: str | None) -> Iterator[ModuleType]:
 
 class ChunkWorker:
     """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units,
-    THREADS chunks at once as the local engine's processes do."""
+    THREADS chunks at once as the local engine's processes do (`process_stream`)."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
         # the actor's threads encode on their own: a batched encode may not add threads
@@ -88,17 +89,15 @@ class ChunkWorker:
         reader = FileRangeReader()
         try:
             for unit in batch["unit"]:
-                for at in range(0, len(unit), THREADS):
-                    plans = unit[at : at + THREADS]
-                    chunks = [read_chunk(plan, reader) for plan in plans]
-                    for plan, result in zip(plans, process_chunks(chunks), strict=True):
-                        rows = ChunkRows([row for _, row in result.rows])
-                        result.rows = [(domain, None) for domain, _ in result.rows]
-                        yield {
-                            "index": np.array([plan.index]),
-                            "meta": _objects([result]),
-                            "rows": _objects([rows]),
-                        }
+                chunks = (read_chunk(plan, reader) for plan in unit)
+                for plan, result in zip(unit, process_stream(chunks), strict=True):
+                    rows = ChunkRows([row for _, row in result.rows])
+                    result.rows = [(domain, None) for domain, _ in result.rows]
+                    yield {
+                        "index": np.array([plan.index]),
+                        "meta": _objects([result]),
+                        "rows": _objects([rows]),
+                    }
         finally:
             reader.close()
 
@@ -143,7 +142,7 @@ def ray_results(
             for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
             if p.index >= first_chunk
         )
-        units = list(_pairs(work_units(plans)))
+        units = list(_joined(work_units(plans)))
         if not units:
             return
         items = [{"first": unit[0].index, "unit": unit} for unit in units]
@@ -246,14 +245,17 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         options.preserve_order = saved[1]
 
 
-def _pairs(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
-    """Consecutive units joined until each has THREADS plans, so that an actor's threads have
-    a chunk each (a seekable file makes a unit per chunk); plans stay in order, read by one
-    reader, as a unit's are."""
+TASK_CHUNKS = 4 * THREADS  # an actor's threads drain at the end of each task: not too often
+
+
+def _joined(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
+    """Consecutive units joined until each has TASK_CHUNKS plans (a seekable file makes a unit
+    per chunk), so that an actor's threads seldom wait for its next task; plans stay in order,
+    read by one reader, as a unit's are."""
     joined: list[ChunkPlan] = []
     for unit in units:
         joined += unit
-        if len(joined) >= THREADS:
+        if len(joined) >= TASK_CHUNKS:
             yield joined
             joined = []
     if joined:
