@@ -3,9 +3,10 @@
 Both runs are the whole Pipeline (read, mask, pack, write shards) over chat SFT records; the
 Ray engine's time includes its scan pass and its actor pool's start (Ray itself is started once,
 before timing), a fixed cost that a larger input amortises: so each size in `copies` (copies of
-the 1,000-record sample; 8 is about 10M tokens, bench_preprocess's size) gets its own row.
+the 1,000-record sample; 8 is about 10M tokens, bench_preprocess's size; 24 about 30M) gets
+its own row.
 Prints records/s and tokens/s, medians of `repeats`, and the Ray/local ratio per size.
-Run: python benchmarks/bench_ray.py [--copies 3 8] [--repeats 3] [--workers 2] [--ray-address ADDR]
+Run: python benchmarks/bench_ray.py [--copies 3 8 24] [--repeats 3] [--workers 2] [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from bench_preprocess import (  # the same corpus and end-to-end run as the loca
 
 
 def main(
-    copies: int | tuple[int, ...] = (3, 8),
+    copies: int | tuple[int, ...] = (3, 8, 24),
     repeats: int = 3,
     workers: int | None = None,
     ray_address: str | None = None,
@@ -74,7 +75,7 @@ def main(
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--copies", type=int, nargs="+", default=[3, 8])
+    parser.add_argument("--copies", type=int, nargs="+", default=[3, 8, 24])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--ray-address", default=None)
