@@ -129,7 +129,7 @@ def process_stream(chunks: Iterator[Chunk]) -> Iterator[ChunkResult]:
     """Chunks processed on the worker's threads as they are read, in order: one more than the
     threads is read ahead, so a thread that is done takes the next chunk at once."""
     if _MASKERS is None or _THREADS is None:
-        raise RuntimeError("process_chunks called before setup_worker")
+        raise RuntimeError("process_stream called before setup_worker")
     pending: deque[Future[ChunkResult]] = deque()
     try:
         for chunk in chunks:
