@@ -30,7 +30,8 @@ Form = Literal["", "NFC", "NFD", "NFKC", "NFKD"]  # "": no normalizer
 class TokenOffsets:
     """Where the tokens of `ids` start and end in their text: from `starts` and `ends` where
     they are known, else from the encoding, one position at a time by binary search (token
-    starts never decrease): reading `encoding.offsets` costs more than the masking."""
+    starts never decrease): reading `encoding.offsets` costs more than the masking. `text` is
+    kept so that the thread's next rendering can find the start it shares with this one."""
 
     def __init__(
         self,
