@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 
 import fsspec
 import numpy as np
@@ -138,16 +139,18 @@ def test_a_corrupted_object_is_fetched_again_then_refused_naming_the_shard(
 
 def test_a_download_corrupted_on_the_way_is_fetched_again(datasets, options, tmp_path, monkeypatch):
     local, url = datasets["seq"]
-    get, spoiled = Remote.get, []
+    get, spoiled, lock = Remote.get, [], threading.Lock()
 
     def spoil_the_first(self, pairs, sizes=None):
         get(self, pairs, sizes)
-        if not spoiled and str(tmp_path) in str(pairs[0][1]):
-            path = pairs[0][1]
-            data = bytearray(path.read_bytes())
-            data[0] ^= 0xFF
-            path.write_bytes(bytes(data))
+        with lock:  # the fill thread and a read may download at once: spoil one of them only
+            if spoiled or str(tmp_path) not in str(pairs[0][1]):
+                return
             spoiled.append(pairs[0][0])
+        path = pairs[0][1]
+        data = bytearray(path.read_bytes())
+        data[0] ^= 0xFF
+        path.write_bytes(bytes(data))
 
     monkeypatch.setattr(Remote, "get", spoil_the_first)
     dataset = load("seq", url, cache_dir=tmp_path / "c", storage_options=options)

@@ -125,16 +125,23 @@ def process_chunks(chunks: list[Chunk]) -> list[ChunkResult]:
     return list(process_stream(iter(chunks)))
 
 
-def process_stream(chunks: Iterator[Chunk]) -> Iterator[ChunkResult]:
-    """Chunks processed on the worker's threads as they are read, in order: one more than the
-    threads is read ahead, so a thread that is done takes the next chunk at once."""
-    if _MASKERS is None or _THREADS is None:
+def process_stream(
+    chunks: Iterator[Chunk],
+    maskers: Maskers | None = None,
+    threads: ThreadPoolExecutor | None = None,
+    ahead: int = THREADS + 1,
+) -> Iterator[ChunkResult]:
+    """Chunks processed on threads as they are read, results in order: up to `ahead` at once,
+    so a thread that is done takes the next chunk at once. The worker process's maskers and
+    threads (`setup_worker`) unless given."""
+    maskers, threads = maskers or _MASKERS, threads or _THREADS
+    if maskers is None or threads is None:
         raise RuntimeError("process_stream called before setup_worker")
     pending: deque[Future[ChunkResult]] = deque()
     try:
         for chunk in chunks:
-            pending.append(_THREADS.submit(_MASKERS.process, chunk))
-            if len(pending) > THREADS:
+            pending.append(threads.submit(maskers.process, chunk))
+            if len(pending) >= ahead:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()

@@ -144,20 +144,14 @@ def _in_process(
     chunks: Iterator[Chunk], threads: int, args: tuple[dict, str]
 ) -> Generator[ChunkResult, None, None]:
     """Chunks processed on `threads` threads of this process."""
-    from tokenmill.preprocess.chunks import Maskers
+    from tokenmill.preprocess.chunks import Maskers, process_stream
     from tokenmill.preprocess.tokenizer import tokenizer_threads_off
 
     maskers = Maskers(*args)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-chunk")
     try:
-        with tokenizer_threads_off():
-            pending: deque[Future[ChunkResult]] = deque()
-            for chunk in chunks:
-                pending.append(pool.submit(maskers.process, chunk))
-                if len(pending) >= 2 * threads:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
+        with tokenizer_threads_off():  # read further ahead: this thread also writes the shards
+            yield from process_stream(chunks, maskers, pool, ahead=2 * threads)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 

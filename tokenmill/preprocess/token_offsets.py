@@ -15,6 +15,7 @@ import threading
 import unicodedata
 from bisect import bisect_left, bisect_right
 from functools import cache, cached_property
+from itertools import compress
 from operator import itemgetter
 from typing import Any, Literal, cast
 
@@ -123,11 +124,11 @@ def _derived(
         last = None
     kept = _kept(last, text) if last is not None else 0
     cut = int(last.starts[kept]) if last is not None and kept else 0
+    rest = text[cut:]
     ids = np.asarray(
-        tokenizer.encode_batch_fast([text[cut:]], add_special_tokens=False)[0].ids,
-        dtype=np.int32,
+        tokenizer.encode_batch_fast([rest], add_special_tokens=False)[0].ids, dtype=np.int32
     )
-    positions = _positions(lengths, ids, text[cut:])
+    positions = _positions(lengths, ids, rest)
     if positions is None:
         return None
     starts, ends = positions
@@ -198,7 +199,7 @@ def _byte_level(tokenizer: tokenizers.Tokenizer) -> tuple[np.ndarray | None, For
     ids = np.fromiter(vocab.values(), dtype=np.int64, count=len(vocab))
     sizes = np.fromiter(map(len, vocab), dtype=np.int32, count=len(vocab))
     plain = ~np.isin(ids, list(added))
-    tokens = "".join(token for token, i in vocab.items() if i not in added)
+    tokens = "".join(compress(vocab, plain.tolist()))
     if not set(tokens) <= set(pre_tokenizers.ByteLevel.alphabet()):
         return None, ""
     lengths = np.zeros(max([int(ids.max(initial=0)), *added]) + 1, dtype=np.int32)
