@@ -7,18 +7,28 @@ import json
 import os
 import re
 import shutil
+import unicodedata
 
 import numpy as np
 import orjson
 import pytest
+import tokenizers
 from helpers import ROOT, TOKENIZERS
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenmill.preprocess.chunks import encode_ahead
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
+from tokenmill.preprocess.tokenizer import (
+    encode_fast,
+    encode_text,
+    is_stable,
+    load_tokenizer,
+    unnormalized,
+)
 
 TEXTS = ["Hello world.", "  leading spaces and\nnew lines", "数据 and δέλτα", ""]
 
@@ -89,3 +99,47 @@ def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
         assert got.keys() == expected.keys()
         assert all(np.array_equal(got[k], expected[k]) for k in got)
     assert not ahead.encoded  # every text encoded ahead was used
+
+
+def test_the_unnormalized_tokenizer_shares_the_model_and_its_added_tokens():
+    """Qwen's NFC normalizer is left out on a tokenizer over the same model (its added tokens
+    at the same ids); DeepSeek has no normalizer to leave out, and a tokenizer that cuts or
+    pads keeps its own."""
+    qwen = load_tokenizer(TOKENIZERS / "qwen2.5").tokenizer
+    plain = unnormalized(qwen)
+    assert plain is not qwen and plain.normalizer is None and qwen.normalizer is not None
+    assert plain.get_added_tokens_decoder() == qwen.get_added_tokens_decoder()
+    assert plain.get_vocab_size() == qwen.get_vocab_size()
+    deepseek = load_tokenizer(TOKENIZERS / "deepseek-v3").tokenizer
+    assert unnormalized(deepseek) is deepseek
+    cutting = tokenizers.Tokenizer.from_str(qwen.to_str())
+    cutting.enable_truncation(8)
+    assert unnormalized(cutting) is cutting
+
+
+def test_text_with_a_character_python_does_not_know_is_not_stable():
+    """A code point unassigned in Python's Unicode tables could be a combining mark of a newer
+    version, which the tokenizer's NFC would move: such text keeps the normalizer."""
+    assert is_stable("NFC", "plain ascii") and is_stable("NFC", "café 数据 🙂")
+    assert not is_stable("NFC", unicodedata.normalize("NFD", "café"))
+    assert unicodedata.is_normalized("NFC", "caf\u0378") and not is_stable("NFC", "caf\u0378")
+    assert is_stable("", unicodedata.normalize("NFD", "café"))  # no normalizer: nothing moves
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    texts=st.lists(
+        st.one_of(
+            st.text(st.characters(exclude_categories=["Cs"]), max_size=30),
+            st.sampled_from(["café", unicodedata.normalize("NFD", "naïve"), "<|im_end|>x"]),
+        ),
+        max_size=6,
+    ),
+    add_special=st.booleans(),
+    family=st.sampled_from(["qwen2.5", "qwen3", "deepseek-v3"]),
+)
+def test_encode_fast_gives_the_tokenizers_ids_in_order(texts, add_special, family):
+    """Stable texts without the normalizer, the others with it: the same ids as `encode`."""
+    tokenizer = load_tokenizer(TOKENIZERS / family).tokenizer
+    got = [e.ids for e in encode_fast(tokenizer, texts, add_special)]
+    assert got == [tokenizer.encode(t, add_special_tokens=add_special).ids for t in texts]

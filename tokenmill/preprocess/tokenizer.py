@@ -10,15 +10,20 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import threading
+import unicodedata
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
+from itertools import groupby
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import tokenizers
+
+Form = Literal["", "NFC", "NFD", "NFKC", "NFKD"]  # "": no normalizer
 
 # The named special tokens a template can read, as transformers passes them.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # fmt: skip
@@ -135,9 +140,7 @@ def encode_text(
     sets `add_bos_token` (as transformers does). A GPT-2-style folder that names a BOS token
     but does not add it gets none. `ids`: the same text's encoding, made ahead in a batch."""
     if ids is None and tokenizer_threads_are_off():  # the same ids, without offsets
-        [encoding] = bundle.tokenizer.encode_batch_fast(
-            [text], add_special_tokens=add_special_tokens
-        )
+        [encoding] = encode_fast(bundle.tokenizer, [text], add_special_tokens)
         ids = encoding.ids
     elif ids is None:
         ids = bundle.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -145,6 +148,85 @@ def encode_text(
         if ids[:1] != [bundle.bos_id]:
             ids = [bundle.bos_id, *ids]
     return np.asarray(ids, dtype=np.int32)
+
+
+@cache
+def normal_form(tokenizer: tokenizers.Tokenizer) -> Form | None:
+    """The Unicode form the normalizer puts text in ("" for none); None for one that does more."""
+    normalizer = tokenizer.normalizer
+    if normalizer is None:
+        return ""
+    state = json.loads(normalizer.__getstate__())
+    steps = state.get("normalizers", []) if state.get("type") == "Sequence" else [state]
+    forms = {step.get("type") for step in steps}
+    if not forms:
+        return ""
+    form = forms.pop() if len(forms) == 1 else None
+    return cast(Form, form) if form in ("NFC", "NFD", "NFKC", "NFKD") else None
+
+
+_NON_ASCII = re.compile(r"[^\x00-\x7f]")
+
+
+def is_stable(form: Form, text: str) -> bool:
+    """Whether a normalizer to `form` leaves `text` as it is, whatever Unicode version the
+    tokenizer's tables are: normalized by Python's, and every character assigned in them
+    (Unicode's stability policy: a normalized string of assigned characters stays normalized
+    in every later version; a character Python does not know could be a newer mark)."""
+    if not form or text.isascii():
+        return True
+    return unicodedata.is_normalized(form, text) and all(
+        unicodedata.category(c) != "Cn" for c in set(_NON_ASCII.findall(text))
+    )
+
+
+@cache
+def unnormalized(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """The tokenizer without its normalizer, on the same model (vocabulary, merges, cache: no
+    second copy in memory): for a text the normalizer leaves as it is (`is_stable`) the same
+    ids, without the normalizer's pass over every character. The tokenizer itself where it
+    has no normalizer, or cuts or pads, or where the copy's added tokens would differ."""
+    if (
+        not normal_form(tokenizer)
+        or tokenizer.truncation is not None
+        or tokenizer.padding is not None
+    ):
+        return tokenizer
+    plain = tokenizers.Tokenizer(tokenizer.model)
+    plain.pre_tokenizer, plain.decoder = tokenizer.pre_tokenizer, tokenizer.decoder
+    plain.post_processor = tokenizer.post_processor
+    plain.encode_special_tokens = tokenizer.encode_special_tokens
+    added = tokenizer.get_added_tokens_decoder()
+    for special, group in groupby(sorted(added.items()), key=lambda item: item[1].special):
+        tokens = [token for _, token in group]  # in id order: they take the same ids
+        if special:
+            plain.add_special_tokens(tokens)
+        else:
+            plain.add_tokens(tokens)
+    same = plain.get_added_tokens_decoder() == added
+    if not same or plain.get_vocab_size() != tokenizer.get_vocab_size():
+        return tokenizer
+    return plain
+
+
+def encode_fast(
+    tokenizer: tokenizers.Tokenizer, texts: list[str], add_special_tokens: bool
+) -> list[tokenizers.Encoding]:
+    """`encode_batch_fast` (no offsets), with each text its normalizer leaves as it is encoded
+    without it (`unnormalized`): the same ids, in the same order."""
+    plain, form = unnormalized(tokenizer), normal_form(tokenizer)
+    if plain is tokenizer or not form:
+        return tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+    stable = [is_stable(form, text) for text in texts]
+    encodings: dict[int, tokenizers.Encoding] = {}
+    for encoder, flag in ((plain, True), (tokenizer, False)):
+        picked = [k for k, s in enumerate(stable) if s is flag]
+        if picked:
+            group = [texts[k] for k in picked]
+            encodings.update(
+                zip(picked, encoder.encode_batch_fast(group, add_special_tokens=add_special_tokens))
+            )
+    return [encodings[k] for k in range(len(texts))]
 
 
 _PARALLELISM = "TOKENIZERS_PARALLELISM"
