@@ -289,12 +289,28 @@ def test_errors_name_the_file_or_the_message(tmp_path, bundles):
         "{{ messages.__class__.__name__ }}",
         "{% set x = messages.append(1) %}",
         "{% set ns = namespace(__init__=1) %}",
+        "{{ messages[0].__class__.__mro__ }}",
+        "{% set x = messages[0].update({'role': 1}) %}",
     ],
 )
 def test_sandbox_refuses_unsafe_templates(template, bundles):
     hostile = dataclasses.replace(bundles["qwen2.5"], chat_template=template)
     with pytest.raises(jinja2.exceptions.SecurityError):
         render_text(hostile, [{"role": "user", "content": "hi"}])
+
+
+def test_message_attributes_read_as_in_jinjas_own_sandbox(bundles):
+    """`m.role` is the item, `m.items()` the dict's method, a missing key undefined: as in the
+    stock sandbox, which the faster lookup for plain dicts must not change."""
+    template = (
+        "{% for k, v in messages[0].items() %}{{ k }}={{ v }};{% endfor %}"
+        "{{ messages[0].role }}|{{ messages[0].missing }}|{{ messages[0].missing is defined }}|"
+        "{{ messages[0].get('content') }}|{{ messages[0]['role'] }}|{{ messages[0].keys() | list }}"
+    )
+    messages = [{"role": "user", "content": "hi", "items": "shadowed"}]
+    stock = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(template)
+    ours = dataclasses.replace(bundles["qwen2.5"], chat_template=template)
+    assert render_text(ours, messages) == stock.render(messages=messages)
 
 
 def test_template_helpers(bundles):

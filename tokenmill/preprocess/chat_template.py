@@ -100,11 +100,25 @@ class TemplateBudget(jinja2.exceptions.TemplateError):
     """A rendering went past its time or size budget."""
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
 class _BudgetedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox, with `*` and `**` checked before they build a value past the size budget
     (`'a' * 10**10` would allocate 10 GB before any other check could run)."""
 
     intercepted_binops = frozenset({"*", "**"})
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        """`message.role`: a plain dict has no such attribute, so the sandbox's answer is the
+        item, found here without raising and catching an AttributeError (a third of a
+        rendering's time went to that)."""
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
