@@ -13,16 +13,18 @@ import os
 import re
 import threading
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from datetime import datetime
 from functools import cache, cached_property
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenmill.preprocess.tokenizer import TokenizerBundle
+
+T = TypeVar("T")
 
 # Names a message's reasoning arrives under; templates read the first (or `thinking`).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -317,20 +319,38 @@ class Renderer:
     def probe(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """A rendering of marker contents: the same for every conversation of the same roles and
         fields, so it is kept (bounded, per process) instead of rendered once per record."""
-        if self._context_key is None:
-            return self(messages, add_generation_prompt)
         try:
-            key = (self._context_key, _frozen(messages), add_generation_prompt)
+            key = ("probe", _frozen(messages), add_generation_prompt)
         except TypeError:  # not JSON-like data: render it
             return self(messages, add_generation_prompt)
-        text = _PROBES.get(key)
-        if text is None:
-            text = self(messages, add_generation_prompt)
+        return self._kept(key, lambda: self(messages, add_generation_prompt))
+
+    @staticmethod
+    def shape(messages: list[dict]) -> Hashable | None:
+        """The messages' roles and other fields, without their contents: what renderings of
+        marker contents depend on. None for data that is not JSON-like."""
+        try:
+            return _frozen([{**m, "content": ""} for m in messages])
+        except TypeError:
+            return None
+
+    def by_shape(self, shape: Hashable | None, what: Hashable, compute: Callable[[], T]) -> T:
+        """What `compute` reads from renderings of marker contents for messages of this `shape`,
+        kept like `probe`'s renderings (`what` names it and anything else it reads)."""
+        return compute() if shape is None else self._kept((what, shape), compute)
+
+    def _kept(self, key: Hashable, compute: Callable[[], T]) -> T:
+        if self._context_key is None:
+            return compute()
+        key = (self._context_key, key)
+        value = _PROBES.get(key, _PROBES)
+        if value is _PROBES:
+            value = compute()
             with _PROBES_LOCK:  # chunks render on several threads
                 if len(_PROBES) >= _PROBES_MAX:
                     del _PROBES[next(iter(_PROBES))]  # the oldest
-                _PROBES[key] = text
-        return text
+                _PROBES[key] = value
+        return cast(T, value)
 
     @cached_property
     def _context_key(self) -> Hashable | None:
@@ -346,7 +366,7 @@ class Renderer:
         return (template, self.bundle.special_tokens, frozen)
 
 
-_PROBES: dict[Hashable, str] = {}
+_PROBES: dict[Hashable, Any] = {}
 _PROBES_LOCK = threading.Lock()
 _PROBES_MAX = 4096
 

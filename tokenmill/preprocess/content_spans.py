@@ -31,16 +31,28 @@ def content_starts(
 ) -> list[int]:
     """Where each message's span starts, from where its content sits in the rendering: located
     through the template's own text around marker contents, or searched for."""
-    glue = _marker_glue(render, messages, add_generation_prompt)
+    shape = render.shape(messages)
+    glue = render.by_shape(
+        shape,
+        ("glue", add_generation_prompt),
+        lambda: _marker_glue(render, messages, add_generation_prompt),
+    )
     located = _locate_by_glue(text, messages, glue) if glue else None
     if located is None:  # the template shapes its text around the content: search for it
         found = _locate_contents(text, messages, prompt_start, offsets.control)
         located = _place_empty_contents(render, messages, text, found, add_generation_prompt)
-    tails = _role_tails(render, messages, actions, glue) if glue else None
+    tails = None
+    if glue:
+        tails = render.by_shape(
+            shape, ("tails", tuple(actions)), lambda: _role_tails(render, messages, actions, glue)
+        )
     span_starts = _span_starts(text, located, prompt_start, offsets, tails)
     span_starts[0] = _first_header_start(text, messages, located, span_starts, offsets)
     if span_starts[0] == 0 and glue:
-        span_starts[0] = _probe_first_header(render, messages, glue, text, prompt_start, offsets)
+        header = render.by_shape(
+            shape, "first header", lambda: _first_header(render, messages, glue)
+        )
+        span_starts[0] = _first_header_at(header, glue, prompt_start, offsets)
     return span_starts
 
 
@@ -201,14 +213,15 @@ def _span_starts(
     cut back to whole tokens (`<｜User｜>` and `<｜end▁of▁sentence｜>` share `<｜`).
     """
     last_tail = text[located[-1][1] : limit]
-    starts = [0]
+    ends, cuts = [], []  # each content's end, and where its end-of-turn ends
     for k, ((_, end), (next_start, _)) in enumerate(pairwise(located)):
-        gap = text[end:next_start]
         tail = tails[k] if tails is not None else last_tail
-        shared = _shared_prefix(gap, tail)
-        token_start = offsets.start_at(end + shared)
-        starts.append(max(end, token_start) if token_start >= 0 else end + shared)
-    return starts
+        ends.append(end)
+        cuts.append(end + _shared_prefix(text[end:next_start], tail))
+    token_starts = offsets.starts_at(cuts)
+    return [0] + [
+        max(end, token) if token >= 0 else cut for end, cut, token in zip(ends, cuts, token_starts)
+    ]
 
 
 def _shared_prefix(a: str, b: str) -> int:
@@ -300,28 +313,26 @@ def _shows(text: str, pos: int, form: str, after: str) -> bool:
     return text.startswith(form, pos) and text.startswith(after, pos + len(form))
 
 
-def _probe_first_header(
-    render: Renderer,
-    messages: list[dict],
-    glue: list[str],
-    text: str,
-    limit: int,
-    offsets: TokenOffsets,
-) -> int:
+def _first_header(render: Renderer, messages: list[dict], glue: list[str]) -> str:
     """Message 0's header, learned by rendering message 0 twice (its end-of-turn + header then sit
-    between the two copies); 0 when the template refuses that or the header is not found."""
+    between the two copies); "" when the template refuses that or the header is not found."""
     marks = [CONTENT_MARK.format(k) for k in range(len(messages) + 1)]
     doubled = [messages[0], *messages]
     try:
         probe = render.probe([{**m, "content": marks[k]} for k, m in enumerate(doubled)], False)
     except Exception:
-        return 0
+        return ""
     pieces = re.split("(\ue000\\d+\ue001)", probe)
     if pieces[1::2] != marks:
-        return 0
+        return ""
     between, tail = pieces[2], pieces[-1]
     header = between[_shared_prefix(between, tail) :]
-    if not header or not glue[0].endswith(header) or len(glue[0]) > limit:
+    return header if glue[0].endswith(header) else ""
+
+
+def _first_header_at(header: str, glue: list[str], limit: int, offsets: TokenOffsets) -> int:
+    """Where message 0's header starts (the token holding its start); 0 where it is unknown."""
+    if not header or len(glue[0]) > limit:
         return 0
     at = len(glue[0]) - len(header)
     token_start = offsets.start_at(at)

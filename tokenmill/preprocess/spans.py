@@ -89,10 +89,11 @@ def _span_mask(
         owner = np.searchsorted(starts, offsets.starts, side="right") - 1
         return np.asarray([False, *actions], dtype=bool)[owner] & (offsets.starts < prompt_start)
     mask = np.zeros(len(offsets.ids), dtype=bool)
-    bounds = [*map(offsets.count_before, span_starts), len(mask)]
-    for trains, first, end in zip(actions, bounds, bounds[1:]):
-        mask[first:end] = trains
-    mask[offsets.count_before(prompt_start) :] = False
+    *bounds, prompt = offsets.counts_before([*span_starts, prompt_start])
+    for trains, first, end in zip(actions, bounds, [*bounds[1:], len(mask)]):
+        if trains:
+            mask[first:end] = True
+    mask[prompt:] = False
     return mask
 
 

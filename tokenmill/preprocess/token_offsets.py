@@ -18,7 +18,7 @@ from bisect import bisect_left, bisect_right
 from functools import cache, cached_property
 from itertools import compress
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import tokenizers
@@ -66,6 +66,12 @@ class TokenOffsets:
             return int(self.starts.searchsorted(at, side="left"))
         return bisect_left(self._tokens, at, key=self._start)
 
+    def counts_before(self, ats: list[int]) -> list[int]:
+        """`count_before` of each position, in one search where positions are known."""
+        if self.encoding is None:
+            return cast(list[int], self.starts.searchsorted(ats, side="left").tolist())
+        return [self.count_before(at) for at in ats]
+
     def start_at(self, at: int) -> int:
         """Where the last token that starts at or before `at` starts; -1 if none does."""
         if self.encoding is None:
@@ -73,6 +79,13 @@ class TokenOffsets:
             return int(self.starts[token]) if token >= 0 else -1
         token = bisect_right(self._tokens, at, key=self._start) - 1
         return self._start(token) if token >= 0 else -1
+
+    def starts_at(self, ats: list[int]) -> list[int]:
+        """`start_at` of each position, in one search where positions are known."""
+        if self.encoding is not None:
+            return [self.start_at(at) for at in ats]
+        tokens = self.starts.searchsorted(ats, side="right") - 1
+        return cast(list[int], np.where(tokens >= 0, self.starts[tokens], -1).tolist())
 
     @cached_property
     def starts(self) -> np.ndarray:
@@ -128,7 +141,7 @@ def _derived(
     cut = int(last.starts[kept]) if last is not None and kept else 0
     rest = text[cut:]
     [encoding] = unnormalized(tokenizer).encode_batch_fast([rest], add_special_tokens=False)
-    ids = np.asarray(encoding.ids, dtype=np.int32)
+    ids = np.fromiter(encoding.ids, dtype=np.int32)
     positions = _positions(lengths, ids, rest)
     if positions is None:
         return None
