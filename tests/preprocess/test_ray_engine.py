@@ -114,6 +114,30 @@ def test_every_training_type_matches_the_local_engine(tmp_path, ray_address, tra
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
 
 
+@pytest.mark.parametrize("train_type", ["sft", "dpo"])
+def test_the_driver_works_the_first_unit_while_the_pool_starts(
+    tmp_path, ray_address, monkeypatch, train_type
+):
+    """20 chunks, in units of TASK_CHUNKS (8): the driver's threads take chunks 0-7 while Ray
+    Data starts its actor, the actors take 8-19, and the output is the local engine's."""
+    src = head(DATA / TYPES[train_type], tmp_path / TYPES[train_type], 40)
+    done = tmp_path / "by-actors"
+    done.mkdir()
+
+    class Noting(ChunkWorker):  # defined here, so Ray ships it by value to the actors
+        def __call__(self, batch):
+            for out in super().__call__(batch):
+                (done / str(int(out["index"][0]))).touch()
+                yield out
+
+    monkeypatch.setattr(ray_engine, "ChunkWorker", Noting)
+    cfg = config(train_type, batch_size=2)
+    Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
+    Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
+    assert sorted(int(p.name) for p in done.iterdir()) == list(range(ray_engine.TASK_CHUNKS, 20))
+    assert_same_dataset(tmp_path / "ray", tmp_path / "local")
+
+
 def test_every_input_format_and_bad_records_match_the_local_engine(tmp_path, ray_address):
     files = mixed_inputs(tmp_path / "mixed")
     cfg = config("sft", batch_size=4, shard_tokens=3_000)

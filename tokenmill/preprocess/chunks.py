@@ -25,7 +25,7 @@ from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
-from tokenmill.preprocess.tokenizer import encode_fast, load_tokenizer
+from tokenmill.preprocess.tokenizer import encode_fast, load_tokenizer, tokenizer_threads_off
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens, trained_count
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -148,6 +148,20 @@ def process_stream(
     finally:
         for future in pending:  # an error or a closed stream: nothing more
             future.cancel()
+
+
+def process_here(
+    chunks: Iterator[Chunk], threads: int, args: tuple[dict, str]
+) -> Iterator[ChunkResult]:
+    """Chunks processed on `threads` threads of this process; `args` = (config data, tokenizer
+    path), as `setup_worker` takes them."""
+    maskers = Maskers(*args)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-chunk")
+    try:
+        with tokenizer_threads_off():  # read further ahead: this thread also writes the shards
+            yield from process_stream(chunks, maskers, pool, ahead=2 * threads)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 
 
 def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:

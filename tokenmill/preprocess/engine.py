@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import chain, islice
 from multiprocessing import get_context
 from pathlib import Path
@@ -98,7 +98,7 @@ class LocalEngine:
         collect_errors: bool,
         first_chunk: int,
     ) -> Generator[ChunkResult, None, None]:
-        from tokenmill.preprocess.chunks import THREADS, iter_chunks, process_chunks
+        from tokenmill.preprocess.chunks import THREADS, iter_chunks, process_chunks, process_here
 
         chunks = (c for c in iter_chunks(files, config, collect_errors) if c.index >= first_chunk)
         args = (config.model_dump(mode="json"), tokenizer_path)
@@ -106,7 +106,7 @@ class LocalEngine:
         first = list(islice(chunks, THREADS + 1))
         if workers <= THREADS or len(first) <= THREADS:  # a process to start would cost more
             threads = max(1, min(workers, THREADS, len(first)))
-            yield from _in_process(chain(first, chunks), threads, args)
+            yield from process_here(chain(first, chunks), threads, args)
             return
         processes = -(-workers // THREADS)
         ctx = get_context("spawn")  # safe beside a parent running torch or tokenizer threads
@@ -138,22 +138,6 @@ class LocalEngine:
         return ShardWriter(
             domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format, first_index
         )
-
-
-def _in_process(
-    chunks: Iterator[Chunk], threads: int, args: tuple[dict, str]
-) -> Generator[ChunkResult, None, None]:
-    """Chunks processed on `threads` threads of this process."""
-    from tokenmill.preprocess.chunks import Maskers, process_stream
-    from tokenmill.preprocess.tokenizer import tokenizer_threads_off
-
-    maskers = Maskers(*args)
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-chunk")
-    try:
-        with tokenizer_threads_off():  # read further ahead: this thread also writes the shards
-            yield from process_stream(chunks, maskers, pool, ahead=2 * threads)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 
 
 def _groups(chunks: Iterator[Chunk], size: int) -> Iterator[list[Chunk]]:

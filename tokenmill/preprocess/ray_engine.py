@@ -20,7 +20,9 @@ import collections
 import contextlib
 import math
 import os
-from collections.abc import Generator, Iterator, Sequence
+import queue
+import threading
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chunks import THREADS, ChunkResult, process_stream, setup_worker
+from tokenmill.preprocess.chunks import (
+    THREADS,
+    ChunkResult,
+    process_here,
+    process_stream,
+    setup_worker,
+)
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.plans import (
@@ -145,6 +153,7 @@ def ray_results(
         units = list(_joined(work_units(plans)))
         if not units:
             return
+        head = units.pop(0) if len(units) > 1 and DRIVER_THREADS else []  # while the pool starts
         items = [{"first": unit[0].index, "unit": unit} for unit in units]
         size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
         results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
@@ -155,13 +164,82 @@ def ray_results(
             compute=ray.data.ActorPoolStrategy(size=size),
             num_cpus=cpus,
         )
-        end = first_chunk + sum(len(unit) for unit in units)
-        yield from _in_order(ray, results, first_chunk, end)
+        bundles = _pulled(results.iter_internal_ref_bundles)  # the pool starts now
+        try:
+            yield from _on_driver(ray, head, args, DRIVER_THREADS)
+            first = first_chunk + len(head)
+            yield from _in_order(ray, bundles, first, first + sum(len(unit) for unit in units))
+        finally:  # a closed run: Ray Data stops its pool
+            bundles.close()
 
 
-def _in_order(ray: ModuleType, results: Any, first: int, end: int) -> Iterator[ChunkResult]:
-    """The counts of chunks first..end-1, checked to come once each and in order, their rows
-    as RowRefs."""
+# Threads on which the driver works the first unit while Ray Data starts the pool: one, so that
+# the pool's start (the driver's Ray Data thread, the actor's process) keeps a core.
+DRIVER_THREADS = 1
+_END = object()
+
+
+def _pulled(start: Callable[[], Iterator[Any]]) -> Generator[Any, None, None]:
+    """The items of `start()`, pulled on a thread of the driver from now on: Ray Data's iterator
+    only returns once the pool has its first output, a second or two that the driver spends on
+    its own unit (`_on_driver`). Closing the generator stops the pull, and Ray Data's run."""
+    items: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def pull() -> None:
+        try:
+            source = start()
+            for item in source:
+                if stop.is_set():
+                    break
+                items.put((item, None))
+            getattr(source, "close", lambda: None)()
+            items.put((_END, None))
+        except BaseException as err:  # raised where the driver reads the results
+            items.put((None, err))
+
+    threading.Thread(target=pull, daemon=True, name="tokenmill-ray-results").start()
+
+    def drain() -> Generator[Any, None, None]:
+        try:
+            while True:
+                item, err = items.get()
+                if err is not None:
+                    raise err
+                if item is _END:
+                    return
+                yield item
+        finally:
+            stop.set()
+
+    return drain()
+
+
+def _on_driver(
+    ray: ModuleType, unit: list[ChunkPlan], args: tuple[dict, str], threads: int
+) -> Iterator[ChunkResult]:
+    """A unit processed on the driver's own threads while Ray Data starts the actor pool (about
+    a second before an actor's first chunk): the same chunks and code; each chunk's rows are put
+    in the object store, where a write task finds them as it finds an actor's."""
+    if not unit:
+        return
+    reader = FileRangeReader()
+    try:
+        chunks = (read_chunk(plan, reader) for plan in unit)
+        for result in process_here(chunks, threads, args):
+            rows = ray.put([ChunkRows([row for _, row in result.rows])])
+            result.rows = [
+                (domain, RowRef(rows, 0, j, tokens))
+                for j, ((domain, _), tokens) in enumerate(zip(result.rows, result.sizes))
+            ]
+            yield result
+    finally:
+        reader.close()
+
+
+def _in_order(ray: ModuleType, bundles: Any, first: int, end: int) -> Iterator[ChunkResult]:
+    """The counts of chunks first..end-1 (from Ray Data's ref bundles), checked to come once each
+    and in order, their rows as RowRefs."""
     here = ray.get_runtime_context().get_node_id()
     remote_metas = ray.remote(num_cpus=0)(_block_metas)
 
@@ -174,11 +252,7 @@ def _in_order(ray: ModuleType, results: Any, first: int, end: int) -> Iterator[C
             where = []
         return block if here in where else remote_metas.remote(block)
 
-    blocks = (
-        (block, metas(block))
-        for bundle in results.iter_internal_ref_bundles()
-        for block in bundle.block_refs
-    )
+    blocks = ((block, metas(block)) for bundle in bundles for block in bundle.block_refs)
     expected = first
     for block, future in _ahead(blocks, 2):
         got = ray.get(future)

@@ -55,7 +55,10 @@ def write_rows(
     With `upload`, the task uploads the staged shard (meta.json last) and removes it."""
     from ray.data.block import BlockAccessor
 
-    chunks = [BlockAccessor.for_block(b).to_numpy("rows") for b in blocks]
+    # a Ray Data block's `rows` column, or the list the driver put for the chunks it processed
+    chunks = [
+        b if isinstance(b, list) else BlockAccessor.for_block(b).to_numpy("rows") for b in blocks
+    ]
     writer = ShardWriter(Path(domain_dir), dtypes, primary_key, _NO_CUT, storage_format, index)
     for b, row, item in where:
         writer.add(chunks[b][row].rows[item])
