@@ -261,3 +261,38 @@ def test_driver_killed_then_resumed(tmp_path, ray_address):
     ).stat().st_mtime_ns == mtime  # reused, not rewritten
     Pipeline(cfg, [src], tmp_path / "clean", QWEN, workers=1, on_error="skip").run()
     assert_same_dataset(out, tmp_path / "clean")
+
+
+def test_results_are_pulled_at_most_two_ahead_and_stop_when_the_run_stops():
+    """The driver's pull of Ray Data's results keeps Ray Data's backpressure (a slow writer
+    holds the pool back) and ends, closing Ray Data's iterator, once the run is closed."""
+    drawn, closed = [], []
+
+    def source():
+        try:
+            for i in range(100):
+                drawn.append(i)
+                yield i
+        finally:
+            closed.append(True)
+
+    items, stop = ray_engine._pulled(source)
+    assert [next(items) for _ in range(3)] == [0, 1, 2]
+    time.sleep(0.3)
+    assert len(drawn) <= 3 + 2 + 1  # read, queued, and the one waiting to be queued
+    stop.set()
+    deadline = time.time() + 5
+    while not closed and time.time() < deadline:
+        time.sleep(0.05)
+    assert closed and len(drawn) < 100
+
+
+def test_an_error_of_the_pull_reaches_the_reader():
+    def source():
+        yield 1
+        raise RuntimeError("an actor died for good")
+
+    items, _ = ray_engine._pulled(source)
+    assert next(items) == 1
+    with pytest.raises(RuntimeError, match="died for good"):
+        next(items)

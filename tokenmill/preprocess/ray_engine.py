@@ -164,13 +164,13 @@ def ray_results(
             compute=ray.data.ActorPoolStrategy(size=size),
             num_cpus=cpus,
         )
-        bundles = _pulled(results.iter_internal_ref_bundles)  # the pool starts now
+        bundles, stop = _pulled(results.iter_internal_ref_bundles)  # the pool starts now
         try:
             yield from _on_driver(ray, head, args, DRIVER_THREADS)
             first = first_chunk + len(head)
             yield from _in_order(ray, bundles, first, first + sum(len(unit) for unit in units))
         finally:  # a closed run: Ray Data stops its pool
-            bundles.close()
+            stop.set()
 
 
 # Threads on which the driver works the first unit while Ray Data starts the pool: one, so that
@@ -179,40 +179,45 @@ DRIVER_THREADS = 1
 _END = object()
 
 
-def _pulled(start: Callable[[], Iterator[Any]]) -> Generator[Any, None, None]:
-    """The items of `start()`, pulled on a thread of the driver from now on: Ray Data's iterator
+def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], threading.Event]:
+    """The items of `start()`, pulled on a thread of the driver from now on (Ray Data's iterator
     only returns once the pool has its first output, a second or two that the driver spends on
-    its own unit (`_on_driver`). Closing the generator stops the pull, and Ray Data's run."""
-    items: queue.Queue = queue.Queue()
+    its own unit, `_on_driver`), at most 2 ahead of the reader, so that Ray Data's backpressure
+    still holds; and the event that stops the pull, and with it Ray Data's run."""
+    items: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
+
+    def put(entry: tuple[Any, BaseException | None]) -> bool:
+        while not stop.is_set():
+            try:
+                items.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def pull() -> None:
         try:
             source = start()
             for item in source:
-                if stop.is_set():
+                if not put((item, None)):
                     break
-                items.put((item, None))
             getattr(source, "close", lambda: None)()
-            items.put((_END, None))
+            put((_END, None))
         except BaseException as err:  # raised where the driver reads the results
-            items.put((None, err))
+            put((None, err))
+
+    def read() -> Iterator[Any]:
+        while True:
+            item, err = items.get()
+            if err is not None:
+                raise err
+            if item is _END:
+                return
+            yield item
 
     threading.Thread(target=pull, daemon=True, name="tokenmill-ray-results").start()
-
-    def drain() -> Generator[Any, None, None]:
-        try:
-            while True:
-                item, err = items.get()
-                if err is not None:
-                    raise err
-                if item is _END:
-                    return
-                yield item
-        finally:
-            stop.set()
-
-    return drain()
+    return read(), stop
 
 
 def _on_driver(
