@@ -402,6 +402,37 @@ def test_kept_probe_renderings_follow_their_context(bundles):
                 assert probe == render_text(bundle, marks, True, schemas, **kwargs)
 
 
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "deepseek-v3"])
+def test_what_is_kept_per_message_shape_follows_the_generation_prompt_and_the_actions(
+    family, bundles
+):
+    """The glue, role tails and first header read from marker renderings are kept per message
+    shape: one conversation with and without a generation prompt, and with other roles
+    trained, in any order, gets the ids and mask it gets from nothing kept."""
+    from tokenmill.preprocess import chat_template
+
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    settings = [
+        (prompt, actions)
+        for prompt in (False, True)
+        for actions in ((False, False, True, False), (False, True, True, True))
+    ]
+    fresh = {}
+    for setting in settings:
+        chat_template._PROBES.clear()
+        fresh[setting] = render_conversation(bundles[family], messages, [*setting[1]], setting[0])
+    chat_template._PROBES.clear()
+    for setting in settings + settings[::-1]:
+        ids, mask = render_conversation(bundles[family], messages, [*setting[1]], setting[0])
+        assert ids.tolist() == fresh[setting][0].tolist()
+        assert mask.tolist() == fresh[setting][1].tolist(), setting
+
+
 HOSTILE = (
     "{% if messages[0].content == 'spin' %}"
     "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"

@@ -323,7 +323,7 @@ class Renderer:
             key = ("probe", _frozen(messages), add_generation_prompt)
         except TypeError:  # not JSON-like data: render it
             return self(messages, add_generation_prompt)
-        return self._kept(key, lambda: self(messages, add_generation_prompt))
+        return self._memo(key, lambda: self(messages, add_generation_prompt))
 
     @staticmethod
     def shape(messages: list[dict]) -> Hashable | None:
@@ -337,9 +337,9 @@ class Renderer:
     def by_shape(self, shape: Hashable | None, what: Hashable, compute: Callable[[], T]) -> T:
         """What `compute` reads from renderings of marker contents for messages of this `shape`,
         kept like `probe`'s renderings (`what` names it and anything else it reads)."""
-        return compute() if shape is None else self._kept((what, shape), compute)
+        return compute() if shape is None else self._memo((what, shape), compute)
 
-    def _kept(self, key: Hashable, compute: Callable[[], T]) -> T:
+    def _memo(self, key: Hashable, compute: Callable[[], T]) -> T:
         if self._context_key is None:
             return compute()
         key = (self._context_key, key)
@@ -366,7 +366,7 @@ class Renderer:
         return (template, self.bundle.special_tokens, frozen)
 
 
-_PROBES: dict[Hashable, Any] = {}
+_PROBES: dict[Hashable, Any] = {}  # renderings of marker contents, and what is read from them
 _PROBES_LOCK = threading.Lock()
 _PROBES_MAX = 4096
 

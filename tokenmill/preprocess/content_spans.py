@@ -31,11 +31,10 @@ def content_starts(
 ) -> list[int]:
     """Where each message's span starts, from where its content sits in the rendering: located
     through the template's own text around marker contents, or searched for."""
-    shape = render.shape(messages)
+    shape = render.shape(messages)  # what the marker renderings below depend on, with these:
+    prompt, trained = add_generation_prompt, tuple(actions)
     glue = render.by_shape(
-        shape,
-        ("glue", add_generation_prompt),
-        lambda: _marker_glue(render, messages, add_generation_prompt),
+        shape, ("glue", prompt), lambda: _marker_glue(render, messages, add_generation_prompt)
     )
     located = _locate_by_glue(text, messages, glue) if glue else None
     if located is None:  # the template shapes its text around the content: search for it
@@ -44,13 +43,13 @@ def content_starts(
     tails = None
     if glue:
         tails = render.by_shape(
-            shape, ("tails", tuple(actions)), lambda: _role_tails(render, messages, actions, glue)
+            shape, ("tails", prompt, trained), lambda: _role_tails(render, messages, actions, glue)
         )
     span_starts = _span_starts(text, located, prompt_start, offsets, tails)
     span_starts[0] = _first_header_start(text, messages, located, span_starts, offsets)
     if span_starts[0] == 0 and glue:
         header = render.by_shape(
-            shape, "first header", lambda: _first_header(render, messages, glue)
+            shape, ("first header", prompt), lambda: _first_header(render, messages, glue)
         )
         span_starts[0] = _first_header_at(header, glue, prompt_start, offsets)
     return span_starts

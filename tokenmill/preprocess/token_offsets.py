@@ -114,9 +114,9 @@ class TokenOffsets:
 def encode_offsets(bundle: TokenizerBundle, text: str) -> TokenOffsets:
     """`text` encoded without special tokens, with where each token sits in it. Positions come
     from the ids' byte lengths where the tokenizer is byte-level BPE, its normalizer leaves
-    this text as it is, and the bytes add up to the text's (no prefix space was added); from
-    the tokenizer's offsets otherwise. Both give the same positions (tests hold them equal);
-    only a normalizer newer than Python's Unicode tables could reorder marks the check passes."""
+    this text as it is in any Unicode version (`is_stable`), and the bytes add up to the text's
+    (no prefix space was added); from the tokenizer's offsets otherwise. Both give the same
+    ids and positions (tests hold them equal)."""
     tokenizer, table = bundle.tokenizer, added_table(bundle.tokenizer)
     lengths, form = _byte_level(tokenizer)
     if lengths is not None and tokenizer_threads_are_off() and is_stable(form, text):
