@@ -276,14 +276,11 @@ def test_results_are_pulled_at_most_two_ahead_and_stop_when_the_run_stops():
         finally:
             closed.append(True)
 
-    items, stop = ray_engine._pulled(source)
+    items, close = ray_engine._pulled(source)
     assert [next(items) for _ in range(3)] == [0, 1, 2]
     time.sleep(0.3)
     assert len(drawn) <= 3 + 2 + 1  # read, queued, and the one waiting to be queued
-    stop.set()
-    deadline = time.time() + 5
-    while not closed and time.time() < deadline:
-        time.sleep(0.05)
+    close()  # returns once the pull has stopped
     assert closed and len(drawn) < 100
 
 

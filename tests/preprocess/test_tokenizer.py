@@ -143,3 +143,16 @@ def test_encode_fast_gives_the_tokenizers_ids_in_order(texts, add_special, famil
     tokenizer = load_tokenizer(TOKENIZERS / family).tokenizer
     got = [e.ids for e in encode_fast(tokenizer, texts, add_special)]
     assert got == [tokenizer.encode(t, add_special_tokens=add_special).ids for t in texts]
+
+
+def test_an_added_token_matched_on_normalized_text_keeps_the_normalizer():
+    """`e\u0301x` (normalized=True) is matched on NFC text as `éx`: without the normalizer
+    it would not be, so such a tokenizer is used as it is, and the ids stay `encode`'s."""
+    words = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({"[UNK]": 0, "x": 7, "é": 4}, unk_token="[UNK]")
+    )
+    words.normalizer = tokenizers.normalizers.NFC()
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    words.add_tokens([tokenizers.AddedToken("e\u0301x", normalized=True)])
+    assert unnormalized(words) is words
+    assert [e.ids for e in encode_fast(words, ["éx"], False)] == [words.encode("éx").ids]

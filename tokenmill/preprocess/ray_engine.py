@@ -164,13 +164,13 @@ def ray_results(
             compute=ray.data.ActorPoolStrategy(size=size),
             num_cpus=cpus,
         )
-        bundles, stop = _pulled(results.iter_internal_ref_bundles)  # the pool starts now
+        bundles, close = _pulled(results.iter_internal_ref_bundles)  # the pool starts now
         try:
             yield from _on_driver(ray, head, args, DRIVER_THREADS)
             first = first_chunk + len(head)
             yield from _in_order(ray, bundles, first, first + sum(len(unit) for unit in units))
-        finally:  # a closed run: Ray Data stops its pool
-            stop.set()
+        finally:  # a closed run: Ray Data stops its pool, before the session may end
+            close()
 
 
 # Threads on which the driver works the first unit while Ray Data starts the pool: one, so that
@@ -179,11 +179,12 @@ DRIVER_THREADS = 1
 _END = object()
 
 
-def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], threading.Event]:
+def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable[[], None]]:
     """The items of `start()`, pulled on a thread of the driver from now on (Ray Data's iterator
     only returns once the pool has its first output, a second or two that the driver spends on
     its own unit, `_on_driver`), at most 2 ahead of the reader, so that Ray Data's backpressure
-    still holds; and the event that stops the pull, and with it Ray Data's run."""
+    still holds; and `close`, which stops the pull (and with it Ray Data's run) and waits for
+    its thread, which may first wait for the pool's first output."""
     items: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -199,6 +200,8 @@ def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], threadin
     def pull() -> None:
         try:
             source = start()
+            if stop.is_set():
+                return
             for item in source:
                 if not put((item, None)):
                     break
@@ -216,8 +219,14 @@ def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], threadin
                 return
             yield item
 
-    threading.Thread(target=pull, daemon=True, name="tokenmill-ray-results").start()
-    return read(), stop
+    thread = threading.Thread(target=pull, daemon=True, name="tokenmill-ray-results")
+    thread.start()
+
+    def close() -> None:
+        stop.set()
+        thread.join(timeout=60)
+
+    return read(), close
 
 
 def _on_driver(

@@ -84,6 +84,8 @@ class TokenOffsets:
         """`start_at` of each position, in one search where positions are known."""
         if self.encoding is not None:
             return [self.start_at(at) for at in ats]
+        if not len(self.starts):
+            return [-1] * len(ats)
         tokens = self.starts.searchsorted(ats, side="right") - 1
         return cast(list[int], np.where(tokens >= 0, self.starts[tokens], -1).tolist())
 

@@ -185,18 +185,22 @@ def unnormalized(tokenizer: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
     """The tokenizer without its normalizer, on the same model (vocabulary, merges, cache: no
     second copy in memory): for a text the normalizer leaves as it is (`is_stable`) the same
     ids, without the normalizer's pass over every character. The tokenizer itself where it
-    has no normalizer, or cuts or pads, or where the copy's added tokens would differ."""
+    has no normalizer, or cuts or pads, or where the copy's added tokens would differ or match
+    differently (one matched on normalized text whose own text is not in the normal form)."""
+    form = normal_form(tokenizer)
+    added = tokenizer.get_added_tokens_decoder()
     if (
-        not normal_form(tokenizer)
+        not form
         or tokenizer.truncation is not None
         or tokenizer.padding is not None
+        # an added token matched on normalized text whose own text the normalizer changes
+        or any(t.normalized and not is_stable(form, t.content) for t in added.values())
     ):
         return tokenizer
     plain = tokenizers.Tokenizer(tokenizer.model)
     plain.pre_tokenizer, plain.decoder = tokenizer.pre_tokenizer, tokenizer.decoder
     plain.post_processor = tokenizer.post_processor
     plain.encode_special_tokens = tokenizer.encode_special_tokens
-    added = tokenizer.get_added_tokens_decoder()
     for special, group in groupby(sorted(added.items()), key=lambda item: item[1].special):
         tokens = [token for _, token in group]  # in id order: they take the same ids
         if special:
