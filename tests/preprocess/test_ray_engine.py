@@ -14,11 +14,11 @@ import pytest
 from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill.preprocess import ray_engine, ray_writer
+from tokenmill.preprocess import ray_results, ray_writer
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.ray_engine import ChunkWorker
+from tokenmill.preprocess.ray_results import ChunkWorker
 from tokenmill.preprocess.records import RecordError
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards
@@ -75,11 +75,11 @@ def assert_same_dataset(out: Path, reference: Path) -> None:
 )  # fmt: skip
 def test_the_actor_pool_always_leaves_a_cpu_for_the_shard_writes(cpus, workers, expected):
     """Workers are threads, two to an actor; an actor's share is at most its two CPUs."""
-    size, share = ray_engine.pool_size(cpus, workers)
+    size, share = ray_results.pool_size(cpus, workers)
     assert (size, share) == expected
     assert cpus - size * share >= min(1.0, cpus / 2) - 1e-9
     with pytest.raises(ValueError, match="workers=300 is more than a Ray cluster of 2 CPUs"):
-        ray_engine.pool_size(2, 300)
+        ray_results.pool_size(2, 300)
 
 
 def test_without_ray_the_message_says_how_to_install(tmp_path, monkeypatch):
@@ -130,11 +130,11 @@ def test_the_driver_works_the_first_unit_while_the_pool_starts(
                 (done / str(int(out["index"][0]))).touch()
                 yield out
 
-    monkeypatch.setattr(ray_engine, "ChunkWorker", Noting)
+    monkeypatch.setattr(ray_results, "ChunkWorker", Noting)
     cfg = config(train_type, batch_size=2)
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
-    assert sorted(int(p.name) for p in done.iterdir()) == list(range(ray_engine.TASK_CHUNKS, 20))
+    assert sorted(int(p.name) for p in done.iterdir()) == list(range(ray_results.TASK_CHUNKS, 20))
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
 
 
@@ -188,7 +188,7 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
                     os._exit(1)  # the actor's process dies with chunk 3 done, not yet handed on
                 yield out
 
-    monkeypatch.setattr(ray_engine, "ChunkWorker", CrashOnce)
+    monkeypatch.setattr(ray_results, "ChunkWorker", CrashOnce)
     cfg = config("seq")
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=1, on_error="skip", engine="ray").run()
     assert marker.exists()
@@ -276,7 +276,7 @@ def test_results_are_pulled_at_most_two_ahead_and_stop_when_the_run_stops():
         finally:
             closed.append(True)
 
-    items, close = ray_engine._pulled(source)
+    items, close = ray_results._pulled(source)
     assert [next(items) for _ in range(3)] == [0, 1, 2]
     time.sleep(0.3)
     assert len(drawn) <= 3 + 2 + 1  # read, queued, and the one waiting to be queued
@@ -289,7 +289,7 @@ def test_an_error_of_the_pull_reaches_the_reader():
         yield 1
         raise RuntimeError("an actor died for good")
 
-    items, _ = ray_engine._pulled(source)
+    items, _ = ray_results._pulled(source)
     assert next(items) == 1
     with pytest.raises(RuntimeError, match="died for good"):
         next(items)
