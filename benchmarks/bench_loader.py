@@ -5,9 +5,10 @@ read the same windows of the same file (the shard's own sequence.bin) with np.me
 input_ids and target_ids per item, batched by torch's default collate: a plain DataLoader with
 the same num_workers, and a plain in-process loop (num_workers=0). tokenmill: DataflowLoader
 over MapDistributor(SEQDataset(MmapStore)); the packing loader packs the same windows to the
-same tokens per batch (PoolPackingBatcher, PackedCollator). Every figure is the median of
-`repeats` interleaved runs; resume time is load_state_dict plus the first batch.
-Run: python benchmarks/bench_loader.py [--batches 300] [--repeats 3] [--workers 2]
+same tokens per batch (PoolPackingBatcher, PackedCollator). Rates are medians of `repeats`
+interleaved rounds; a ratio is the median of its in-round ratios (a busy moment hits a loader
+and its floor alike). Resume time is load_state_dict plus the first batch.
+Run: python benchmarks/bench_loader.py [--batches 1500] [--repeats 5] [--workers 2]
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def resume_seconds(ds: SEQDataset, workers: int, at: int) -> float:
     return seconds
 
 
-def main(batches: int = 300, repeats: int = 3, workers: int = 2) -> dict[str, float]:
+def main(batches: int = 1500, repeats: int = 5, workers: int = 2) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         shard = write_tokens(Path(tmp) / "seq", WINDOWS * WINDOW + 1)
         floor = WindowDataset(shard / "shard_00000" / "sequence.bin", WINDOW)
@@ -144,7 +145,7 @@ def main(batches: int = 300, repeats: int = 3, workers: int = 2) -> dict[str, fl
         figures = {}
         for name, value in results.items():
             base = makers[name][1]
-            ratio = value / results[base]
+            ratio = statistics.median(a / b for a, b in zip(runs[name], runs[base], strict=True))
             print(
                 f"{name:<30} {value:>10.1f} {value * BATCH * WINDOW:>13,.0f} {ratio:>6.2f}x  {base}"
             )
@@ -161,8 +162,8 @@ def main(batches: int = 300, repeats: int = 3, workers: int = 2) -> dict[str, fl
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=1500)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     main(args.batches, args.repeats, args.workers)
