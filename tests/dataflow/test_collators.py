@@ -336,17 +336,19 @@ def test_packing_stacked_windows_equals_packing_the_items(rows, width, seed, pad
     width=st.integers(1, 9),
     seed=st.integers(0, 10**6),
     pad=st.sampled_from([None, 0, 5]),
-    sft=st.booleans(),
+    mask=st.booleans(),
+    restarts=st.booleans(),
 )
-def test_packing_stored_windows_equals_packing_the_items(rows, width, seed, pad, sft):
+def test_packing_stored_windows_equals_packing_the_items(rows, width, seed, pad, mask, restarts):
     """collate_windows (the loader's path: [B, W + 1] int32 windows as stored) gives what
     collate gives the items, tensor for tensor, each the batch's own."""
     rng = np.random.default_rng(seed)
     arrays = {"sequence": torch.from_numpy(rng.integers(0, 50, (rows, width + 1), dtype=np.int32))}
-    if sft:  # a mask, and documents restarting inside windows
+    if mask:
         arrays["loss_mask"] = torch.from_numpy(rng.random((rows, width + 1)) < 0.5)
-        restarts = rng.random((rows, width + 1)) < 0.3
-        positions = np.where(restarts, 0, 1).cumsum(1) * ~restarts
+    if restarts:  # documents restarting inside windows
+        start = rng.random((rows, width + 1)) < 0.3
+        positions = np.where(start, 0, 1).cumsum(1) * ~start
         arrays["position_ids"] = torch.from_numpy(positions.astype(np.int32))
     collator = PackedCollator(pad_to=None if pad is None else rows * width + pad)
     windows = WindowBatch(arrays)
@@ -355,6 +357,7 @@ def test_packing_stored_windows_equals_packing_the_items(rows, width, seed, pad,
     for key, value in expected.items():
         want, have = torch.as_tensor(value), torch.as_tensor(got[key])
         assert have.dtype == want.dtype and torch.equal(have, want), key
-    for key in ("input_ids", "target_ids", "loss_mask"):  # the batch's own storage
-        for stored in arrays.values():
+    again = collator.collate_windows(arrays)
+    for key in ("input_ids", "target_ids", "loss_mask", "position_ids"):  # the batch's own
+        for stored in [*arrays.values(), again.get(key, torch.zeros(1))]:
             assert key not in got or not np.shares_memory(got[key].numpy(), stored.numpy())

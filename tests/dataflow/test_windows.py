@@ -3,6 +3,8 @@ collation, handed across the worker pipe as int32, for windows inside and across
 
 from __future__ import annotations
 
+import pickle
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from tokenmill.dataflow import (
 )
 from tokenmill.dataflow.loader import run_roles
 from tokenmill.dataflow.processors import IdentityProcessor
+from tokenmill.training import windows
 from tokenmill.training.datasets import SEQDataset, SFTDataset
 from tokenmill.training.mmap_store import MmapStore
 from tokenmill.training.state import epoch_order
@@ -43,9 +46,19 @@ def dataset(kind: str, root: Path):
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 @pytest.mark.parametrize("kind", ["seq", "sft"])
 @pytest.mark.parametrize(
-    "mode", [{}, {"num_workers": 2}, {"num_threads": 1}, {"num_threads": 3}], ids=str
+    "mode",
+    [
+        {},
+        {"num_workers": 2},
+        {"num_workers": 2, "shared": True},
+        {"num_threads": 1},
+        {"num_threads": 3},
+    ],
+    ids=str,
 )
-def test_window_batches_equal_the_default_collation_of_the_items(shards, kind, mode):
+def test_window_batches_equal_the_default_collation_of_the_items(shards, kind, mode, monkeypatch):
+    if mode.pop("shared", False):  # batches over PIPE_BYTES cross in shared memory (fork: the
+        monkeypatch.setattr(windows, "PIPE_BYTES", 0)  # workers see the patched value)
     ds = dataset(kind, shards)
     assert len(ds.store._loaded()) > 3  # several shards
     batches = list(
@@ -61,6 +74,22 @@ def test_window_batches_equal_the_default_collation_of_the_items(shards, kind, m
         for key, tensor in expected.items():
             assert batch[key].dtype == tensor.dtype and torch.equal(batch[key], tensor), key
             assert batch[key].is_contiguous(), key  # `.view(-1)` works, as on stacked items
+
+
+@pytest.mark.parametrize("size", [windows.PIPE_BYTES, windows.PIPE_BYTES + 8])
+def test_a_window_batch_crosses_a_pipe_by_value_up_to_pipe_bytes(size):
+    """Up to PIPE_BYTES the pickle holds the bytes (numpy, by value); above, the tensors, which
+    torch's pickler shares in memory: a handle of a few hundred bytes."""
+    sequence = torch.arange(size // 4, dtype=torch.int32).reshape(2, -1)
+    batch = WindowBatch({"sequence": sequence})
+    payload = bytes(ForkingPickler.dumps(batch))
+    back = pickle.loads(payload)
+    assert isinstance(back, WindowBatch) and torch.equal(back.arrays["sequence"], sequence)
+    assert back.arrays["sequence"].dtype == torch.int32
+    if size <= windows.PIPE_BYTES:
+        assert len(payload) > size
+    else:
+        assert len(payload) < 4096
 
 
 @pytest.mark.parametrize("kind", ["seq", "sft"])

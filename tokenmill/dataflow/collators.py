@@ -244,13 +244,22 @@ class PackedCollator(BatchCollator):
         packed row, on the training side of a loader."""
         sequence = arrays["sequence"].numpy()
         rows, width = sequence.shape[0], sequence.shape[1] - 1
-        flat = {
+        wide = {
             "input_ids": _widened(sequence[:, :-1], np.int64),
             "target_ids": _widened(sequence[:, 1:], np.int64),
         }
         if "loss_mask" in arrays:
-            flat["loss_mask"] = _widened(arrays["loss_mask"].numpy()[:, 1:], np.bool_)
+            wide["loss_mask"] = _widened(arrays["loss_mask"].numpy()[:, 1:], np.bool_)
+        if "position_ids" not in arrays and self.pad_to is None:
+            # a document per window: the bounds a step of W, the positions one tiling, built
+            # without the general way's steps (half this collate's time, on the training side)
+            batch: dict[str, Any] = {k: torch.from_numpy(v) for k, v in wide.items()}
+            tiling = _tiling(width, rows).reshape(1, -1).copy()
+            batch["position_ids"] = torch.from_numpy(tiling)
+            batch["cu_seqlens"] = torch.from_numpy(np.arange(rows + 1, dtype=np.int32) * width)
+            return {**batch, "max_seqlen": width, "num_tokens": rows * width}
         positions = arrays["position_ids"].numpy()[:, :-1] if "position_ids" in arrays else None
+        flat = {k: torch.from_numpy(v[0]) for k, v in wide.items()}
         return self._packed(window_starts(rows, width, positions), rows * width, flat)
 
     def _packed(
@@ -308,9 +317,11 @@ def segment_positions(bounds: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.arange(bounds[-1], dtype=np.int64) - np.repeat(bounds[:-1], sizes)
 
 
-def _widened(values: np.ndarray, dtype: type) -> torch.Tensor:
-    """[B, W] `values` as one new flat tensor of `dtype`: one copy (astype always copies)."""
-    return torch.from_numpy(values.astype(dtype).reshape(-1))
+def _widened(values: np.ndarray, dtype: type) -> np.ndarray:
+    """[B, W] `values` as one new [1, B * W] array of `dtype`: one copy."""
+    out: np.ndarray = np.empty((1, values.size), dtype)
+    out.reshape(values.shape)[...] = values
+    return out
 
 
 @lru_cache(maxsize=8)

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+
+# A batch up to this size crosses a worker pipe as bytes in the pipe; a larger one in shared
+# memory, torch's way for tensors (a segment, a file descriptor and a map per tensor, on both
+# sides: at 64 KB a batch that costs about twice the CPU of the bytes; even at 2 MB, measured).
+PIPE_BYTES = 2 << 20
 
 
 @dataclass
@@ -15,6 +22,13 @@ class WindowBatch:
     trainer takes, on the training side: what DefaultBatchCollator makes of the items."""
 
     arrays: dict[str, torch.Tensor]
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        """Pickled (as a DataLoader worker hands it over): numpy arrays, which pickle by value,
+        up to PIPE_BYTES; torch tensors, which DataLoader shares in memory, above."""
+        if sum(v.nbytes for v in self.arrays.values()) > PIPE_BYTES:
+            return WindowBatch, (self.arrays,)
+        return _from_numpy, ({k: v.numpy() for k, v in self.arrays.items()},)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The items stacked: [B, W] each."""
@@ -42,3 +56,7 @@ class WindowBatch:
         if "position_ids" in arrays:
             out["position_ids"] = cut("position_ids", slice(None, -1), torch.int64)
         return out
+
+
+def _from_numpy(arrays: dict[str, np.ndarray]) -> WindowBatch:
+    return WindowBatch({k: torch.from_numpy(v) for k, v in arrays.items()})
