@@ -92,6 +92,32 @@ def test_a_window_batch_crosses_a_pipe_by_value_up_to_pipe_bytes(size):
         assert len(payload) < 4096
 
 
+def test_a_collated_batch_crosses_a_pipe_by_value_and_arrives_as_the_dict():
+    """A worker's collated batch (PipedBatch): tensors by value up to PIPE_BYTES, back as a
+    plain dict of the same tensors and values; bfloat16 (no numpy dtype) and a batch over
+    PIPE_BYTES cross as torch shares them."""
+    batch = {
+        "input_ids": torch.arange(12).reshape(2, 6),
+        "loss_mask": torch.tensor([[True, False, True]]),
+        "cu_seqlens": torch.tensor([0, 3, 6], dtype=torch.int32),
+        "max_seqlen": 3,
+    }
+    payload = bytes(ForkingPickler.dumps(windows.PipedBatch(batch)))
+    back = pickle.loads(payload)
+    assert type(back) is dict and list(back) == list(batch) and back["max_seqlen"] == 3
+    for key in ("input_ids", "loss_mask", "cu_seqlens"):
+        assert back[key].dtype == batch[key].dtype and torch.equal(back[key], batch[key])
+    assert b"numpy" in payload  # by value
+    halves = {"h": torch.ones(4, dtype=torch.bfloat16)}
+    assert b"numpy" not in bytes(ForkingPickler.dumps(windows.PipedBatch(halves)))
+    assert torch.equal(
+        pickle.loads(ForkingPickler.dumps(windows.PipedBatch(halves)))["h"], halves["h"]
+    )
+    large = {"x": torch.zeros(windows.PIPE_BYTES // 8 + 1, dtype=torch.int64)}
+    payload = bytes(ForkingPickler.dumps(windows.PipedBatch(large)))
+    assert len(payload) < 4096 and torch.equal(pickle.loads(payload)["x"], large["x"])
+
+
 @pytest.mark.parametrize("kind", ["seq", "sft"])
 def test_a_worker_hands_over_one_int32_window_per_sample(shards, kind):
     ds = dataset(kind, shards)

@@ -31,7 +31,7 @@ from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator, Pa
 from tokenmill.dataflow.distributors import DataDistributor, worker_share
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
 from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
-from tokenmill.training.windows import WindowBatch
+from tokenmill.training.windows import WindowBatch, piped
 
 __all__ = ["DataflowLoader", "run_roles"]
 
@@ -146,7 +146,8 @@ class _Roles(IterableDataset):
     def __iter__(self) -> Iterator[tuple[dict, dict, dict]]:
         info = get_worker_info()
         worker = (info.id, info.num_workers) if info is not None else (0, 1)
-        return run_roles(*self.roles, *self.coordinates, *worker)
+        outputs = run_roles(*self.roles, *self.coordinates, *worker)
+        return piped(outputs) if info is not None else outputs
 
 
 def threaded_roles(loader: DataflowLoader) -> Iterator[tuple[dict, dict, dict]]:

@@ -1,7 +1,9 @@
-"""WindowBatch: a batch of fixed-length samples as stored, what crosses a loader's worker pipe."""
+"""What crosses a loader's worker pipe: WindowBatch (a batch of fixed-length samples as stored),
+or a collated batch, each as bytes in the pipe up to PIPE_BYTES."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,3 +62,32 @@ class WindowBatch:
 
 def _from_numpy(arrays: dict[str, np.ndarray]) -> WindowBatch:
     return WindowBatch({k: torch.from_numpy(v) for k, v in arrays.items()})
+
+
+class PipedBatch:
+    """A worker's collated batch (a dict) on its way across the pipe: its tensors as numpy
+    arrays, pickled by value, up to PIPE_BYTES; unpickled, a plain dict again. Above that, or
+    with a tensor numpy cannot hold (bfloat16), the tensors cross in shared memory."""
+
+    def __init__(self, batch: dict) -> None:
+        self.batch = batch
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        keys = [k for k, v in self.batch.items() if isinstance(v, torch.Tensor)]
+        if sum(self.batch[k].nbytes for k in keys) <= PIPE_BYTES:
+            try:
+                arrays = {k: self.batch[k].numpy() for k in keys}
+            except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
+                return dict, (self.batch,)
+            return _as_tensors, ({**self.batch, **arrays}, keys)
+        return dict, (self.batch,)
+
+
+def piped(outputs: Iterator[tuple[Any, dict, dict]]) -> Iterator[tuple[Any, dict, dict]]:
+    """A worker's (batch, position, counters), each collated batch as a PipedBatch."""
+    for batch, position, counters in outputs:
+        yield (PipedBatch(batch) if type(batch) is dict else batch), position, counters
+
+
+def _as_tensors(batch: dict, keys: list[str]) -> dict:
+    return {k: torch.from_numpy(v) if k in keys else v for k, v in batch.items()}
