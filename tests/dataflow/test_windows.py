@@ -57,8 +57,10 @@ def dataset(kind: str, root: Path):
     ids=str,
 )
 def test_window_batches_equal_the_default_collation_of_the_items(shards, kind, mode, monkeypatch):
+    mode = dict(mode)  # pytest hands every `kind` the same dict
     if mode.pop("shared", False):  # batches over PIPE_BYTES cross in shared memory (fork: the
         monkeypatch.setattr(windows, "PIPE_BYTES", 0)  # workers see the patched value)
+        mode["multiprocessing_context"] = "fork"
     ds = dataset(kind, shards)
     assert len(ds.store._loaded()) > 3  # several shards
     batches = list(
@@ -90,6 +92,9 @@ def test_a_window_batch_crosses_a_pipe_by_value_up_to_pipe_bytes(size):
         assert len(payload) > size
     else:
         assert len(payload) < 4096
+    halves = WindowBatch({"sequence": sequence[:, :8].to(torch.bfloat16)})  # no numpy dtype
+    back = pickle.loads(ForkingPickler.dumps(halves))
+    assert torch.equal(back.arrays["sequence"], halves.arrays["sequence"])
 
 
 def test_a_collated_batch_crosses_a_pipe_by_value_and_arrives_as_the_dict():

@@ -253,11 +253,18 @@ class PackedCollator(BatchCollator):
         if "position_ids" not in arrays and self.pad_to is None:
             # a document per window: the bounds a step of W, the positions one tiling, built
             # without the general way's steps (half this collate's time, on the training side)
-            batch: dict[str, Any] = {k: torch.from_numpy(v) for k, v in wide.items()}
             tiling = _tiling(width, rows).reshape(1, -1).copy()
-            batch["position_ids"] = torch.from_numpy(tiling)
-            batch["cu_seqlens"] = torch.from_numpy(np.arange(rows + 1, dtype=np.int32) * width)
-            return {**batch, "max_seqlen": width, "num_tokens": rows * width}
+            batch: dict[str, Any] = {
+                "input_ids": torch.from_numpy(wide["input_ids"]),
+                "target_ids": torch.from_numpy(wide["target_ids"]),
+                "position_ids": torch.from_numpy(tiling),
+                "cu_seqlens": torch.from_numpy(np.arange(rows + 1, dtype=np.int32) * width),
+                "max_seqlen": width,
+                "num_tokens": rows * width,
+            }
+            if "loss_mask" in wide:  # last, as `collate` puts it
+                batch["loss_mask"] = torch.from_numpy(wide["loss_mask"])
+            return batch
         positions = arrays["position_ids"].numpy()[:, :-1] if "position_ids" in arrays else None
         flat = {k: torch.from_numpy(v[0]) for k, v in wide.items()}
         return self._packed(window_starts(rows, width, positions), rows * width, flat)

@@ -27,10 +27,14 @@ class WindowBatch:
 
     def __reduce__(self) -> tuple[Any, tuple]:
         """Pickled (as a DataLoader worker hands it over): numpy arrays, which pickle by value,
-        up to PIPE_BYTES; torch tensors, which DataLoader shares in memory, above."""
-        if sum(v.nbytes for v in self.arrays.values()) > PIPE_BYTES:
-            return WindowBatch, (self.arrays,)
-        return _from_numpy, ({k: v.numpy() for k, v in self.arrays.items()},)
+        up to PIPE_BYTES; torch tensors, which DataLoader shares in memory, above or where
+        numpy cannot hold one (a store of bfloat16)."""
+        if sum(v.nbytes for v in self.arrays.values()) <= PIPE_BYTES:
+            try:
+                return _from_numpy, ({k: v.numpy() for k, v in self.arrays.items()},)
+            except (TypeError, RuntimeError):
+                pass
+        return WindowBatch, (self.arrays,)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The items stacked: [B, W] each."""
@@ -66,8 +70,9 @@ def _from_numpy(arrays: dict[str, np.ndarray]) -> WindowBatch:
 
 class PipedBatch:
     """A worker's collated batch (a dict) on its way across the pipe: its tensors as numpy
-    arrays, pickled by value, up to PIPE_BYTES; unpickled, a plain dict again. Above that, or
-    with a tensor numpy cannot hold (bfloat16), the tensors cross in shared memory."""
+    arrays, pickled by value, up to PIPE_BYTES; unpickled, a plain dict again, each tensor
+    its own contiguous copy (views and shared storages are not kept). Above that, or with a
+    tensor numpy cannot hold (bfloat16), the tensors cross in shared memory."""
 
     def __init__(self, batch: dict) -> None:
         self.batch = batch
@@ -77,9 +82,9 @@ class PipedBatch:
         if sum(self.batch[k].nbytes for k in keys) <= PIPE_BYTES:
             try:
                 arrays = {k: self.batch[k].numpy() for k in keys}
+                return _as_tensors, ({**self.batch, **arrays}, keys)
             except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
-                return dict, (self.batch,)
-            return _as_tensors, ({**self.batch, **arrays}, keys)
+                pass
         return dict, (self.batch,)
 
 
