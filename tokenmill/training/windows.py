@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 # A batch up to this size crosses a worker pipe as bytes in the pipe; a larger one in shared
-# memory, torch's way for tensors (a segment, a file descriptor and a map per tensor, on both
-# sides: at 64 KB a batch that costs about twice the CPU of the bytes; even at 2 MB, measured).
+# memory, torch's way for tensors: a segment, a file descriptor and a map per tensor, on both
+# sides (measured: about twice the CPU of the bytes for a 64 KB batch, even at 2 MB).
 PIPE_BYTES = 2 << 20
 
 
