@@ -3,7 +3,7 @@ collation, handed across the worker pipe as int32, for windows inside and across
 
 from __future__ import annotations
 
-import pickle
+import multiprocessing
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -78,6 +78,16 @@ def test_window_batches_equal_the_default_collation_of_the_items(shards, kind, m
             assert batch[key].is_contiguous(), key  # `.view(-1)` works, as on stacked items
 
 
+def crossed(value):
+    """`value` after a trip through a multiprocessing queue, as a worker's batch takes it."""
+    pipe = multiprocessing.get_context("fork").Queue()
+    try:
+        pipe.put(value)
+        return pipe.get(timeout=60)
+    finally:
+        pipe.close()
+
+
 @pytest.mark.parametrize("size", [windows.PIPE_BYTES, windows.PIPE_BYTES + 8])
 def test_a_window_batch_crosses_a_pipe_by_value_up_to_pipe_bytes(size):
     """Up to PIPE_BYTES the pickle holds the bytes (numpy, by value); above, the tensors, which
@@ -85,7 +95,7 @@ def test_a_window_batch_crosses_a_pipe_by_value_up_to_pipe_bytes(size):
     sequence = torch.arange(size // 4, dtype=torch.int32).reshape(2, -1)
     batch = WindowBatch({"sequence": sequence})
     payload = bytes(ForkingPickler.dumps(batch))
-    back = pickle.loads(payload)
+    back = crossed(batch)
     assert isinstance(back, WindowBatch) and torch.equal(back.arrays["sequence"], sequence)
     assert back.arrays["sequence"].dtype == torch.int32
     if size <= windows.PIPE_BYTES:
@@ -93,7 +103,7 @@ def test_a_window_batch_crosses_a_pipe_by_value_up_to_pipe_bytes(size):
     else:
         assert len(payload) < 4096
     halves = WindowBatch({"sequence": sequence[:, :8].to(torch.bfloat16)})  # no numpy dtype
-    back = pickle.loads(ForkingPickler.dumps(halves))
+    back = crossed(halves)
     assert torch.equal(back.arrays["sequence"], halves.arrays["sequence"])
 
 
@@ -108,19 +118,17 @@ def test_a_collated_batch_crosses_a_pipe_by_value_and_arrives_as_the_dict():
         "max_seqlen": 3,
     }
     payload = bytes(ForkingPickler.dumps(windows.PipedBatch(batch)))
-    back = pickle.loads(payload)
+    back = crossed(windows.PipedBatch(batch))
     assert type(back) is dict and list(back) == list(batch) and back["max_seqlen"] == 3
     for key in ("input_ids", "loss_mask", "cu_seqlens"):
         assert back[key].dtype == batch[key].dtype and torch.equal(back[key], batch[key])
     assert b"numpy" in payload  # by value
     halves = {"h": torch.ones(4, dtype=torch.bfloat16)}
     assert b"numpy" not in bytes(ForkingPickler.dumps(windows.PipedBatch(halves)))
-    assert torch.equal(
-        pickle.loads(ForkingPickler.dumps(windows.PipedBatch(halves)))["h"], halves["h"]
-    )
+    assert torch.equal(crossed(windows.PipedBatch(halves))["h"], halves["h"])
     large = {"x": torch.zeros(windows.PIPE_BYTES // 8 + 1, dtype=torch.int64)}
     payload = bytes(ForkingPickler.dumps(windows.PipedBatch(large)))
-    assert len(payload) < 4096 and torch.equal(pickle.loads(payload)["x"], large["x"])
+    assert len(payload) < 4096 and torch.equal(crossed(windows.PipedBatch(large))["x"], large["x"])
 
 
 @pytest.mark.parametrize("kind", ["seq", "sft"])

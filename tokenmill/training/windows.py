@@ -3,7 +3,7 @@ or a collated batch, each as bytes in the pipe up to PIPE_BYTES."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,12 +29,10 @@ class WindowBatch:
         """Pickled (as a DataLoader worker hands it over): numpy arrays, which pickle by value,
         up to PIPE_BYTES; torch tensors, which DataLoader shares in memory, above or where
         numpy cannot hold one (a store of bfloat16)."""
-        if sum(v.nbytes for v in self.arrays.values()) <= PIPE_BYTES:
-            try:
-                return _from_numpy, ({k: v.numpy() for k, v in self.arrays.items()},)
-            except (TypeError, RuntimeError):
-                pass
-        return WindowBatch, (self.arrays,)
+        arrays = _by_value(self.arrays)
+        if arrays is None:
+            return WindowBatch, (self.arrays,)
+        return _from_numpy, (arrays,)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The items stacked: [B, W] each."""
@@ -64,8 +62,19 @@ class WindowBatch:
         return out
 
 
+def _by_value(tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray] | None:
+    """The tensors as numpy arrays, to pickle by value: None above PIPE_BYTES in all, or where
+    numpy cannot hold one (bfloat16, a tensor that needs grad)."""
+    if sum(v.nbytes for v in tensors.values()) > PIPE_BYTES:
+        return None
+    try:
+        return {k: v.numpy() for k, v in tensors.items()}
+    except (TypeError, RuntimeError):
+        return None
+
+
 def _from_numpy(arrays: dict[str, np.ndarray]) -> WindowBatch:
-    return WindowBatch({k: torch.from_numpy(v) for k, v in arrays.items()})
+    return WindowBatch(_as_tensors(arrays, arrays))
 
 
 class PipedBatch:
@@ -78,14 +87,10 @@ class PipedBatch:
         self.batch = batch
 
     def __reduce__(self) -> tuple[Any, tuple]:
-        keys = [k for k, v in self.batch.items() if isinstance(v, torch.Tensor)]
-        if sum(self.batch[k].nbytes for k in keys) <= PIPE_BYTES:
-            try:
-                arrays = {k: self.batch[k].numpy() for k in keys}
-                return _as_tensors, ({**self.batch, **arrays}, keys)
-            except (TypeError, RuntimeError):  # bfloat16, or a tensor that needs grad
-                pass
-        return dict, (self.batch,)
+        arrays = _by_value({k: v for k, v in self.batch.items() if isinstance(v, torch.Tensor)})
+        if arrays is None:
+            return dict, (self.batch,)
+        return _as_tensors, ({**self.batch, **arrays}, list(arrays))
 
 
 def piped(outputs: Iterator[tuple[Any, dict, dict]]) -> Iterator[tuple[Any, dict, dict]]:
@@ -94,5 +99,5 @@ def piped(outputs: Iterator[tuple[Any, dict, dict]]) -> Iterator[tuple[Any, dict
         yield (PipedBatch(batch) if type(batch) is dict else batch), position, counters
 
 
-def _as_tensors(batch: dict, keys: list[str]) -> dict:
+def _as_tensors(batch: dict, keys: Collection[str]) -> dict:
     return {k: torch.from_numpy(v) if k in keys else v for k, v in batch.items()}
