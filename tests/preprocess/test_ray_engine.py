@@ -293,3 +293,23 @@ def test_an_error_of_the_pull_reaches_the_reader():
     assert next(items) == 1
     with pytest.raises(RuntimeError, match="died for good"):
         next(items)
+
+
+def test_a_block_is_handed_on_before_the_next_one_comes(ray_address):
+    """Chunks reach the shard writes as soon as their block comes: none waits for later blocks
+    (with a few tasks in all, every row would otherwise sit in the object store to the end)."""
+    import ray
+
+    from tokenmill.preprocess.chunks import ChunkResult
+
+    def blocks():
+        metas = [(row, row, ChunkResult(row, 1, 1, [("", None)], [], sizes=[5])) for row in (0, 1)]
+        yield "block 0", ray.put(metas)
+        raise AssertionError("block 1 was asked for before block 0's chunks were handed on")
+
+    results = ray_results._in_order(ray, blocks(), 0, 4)
+    first, second = next(results), next(results)
+    assert [first.index, second.index] == [0, 1]
+    assert first.rows[0][1] == ray_writer.RowRef("block 0", 0, 0, 5)
+    with pytest.raises(AssertionError, match="block 1 was asked for"):
+        next(results)

@@ -4,7 +4,6 @@ chunk's counts back on the driver in chunk order, its rows left in the object st
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import os
@@ -122,11 +121,11 @@ def ray_results(
             compute=ray.data.ActorPoolStrategy(size=size),
             num_cpus=cpus,
         )
-        bundles, close = _pulled(results.iter_internal_ref_bundles)  # the pool starts now
+        blocks, close = _pulled(lambda: _with_metas(ray, results.iter_internal_ref_bundles()))
         try:
             yield from _on_driver(ray, head, args, DRIVER_THREADS)
             first = first_chunk + len(head)
-            yield from _in_order(ray, bundles, first, first + sum(len(unit) for unit in units))
+            yield from _in_order(ray, blocks, first, first + sum(len(unit) for unit in units))
         finally:  # a closed run: Ray Data stops its pool, before the session may end
             close()
 
@@ -206,24 +205,33 @@ def _on_driver(
         reader.close()
 
 
-def _in_order(ray: ModuleType, bundles: Any, first: int, end: int) -> Iterator[ChunkResult]:
-    """The counts of chunks first..end-1 (from Ray Data's ref bundles), checked to come once each
-    and in order, their rows as RowRefs."""
+def _with_metas(ray: ModuleType, bundles: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
+    """Each block of Ray Data's ref bundles (the pool starts with the first pull) and its counts:
+    on this node the block itself (the object store maps it, and only the `meta` column is
+    decoded); elsewhere, or if unknown, a task there, started as the block comes in, on the
+    pull thread, so that it runs before the driver asks for it."""
     here = ray.get_runtime_context().get_node_id()
     remote_metas = ray.remote(num_cpus=0)(_block_metas)
+    try:
+        for bundle in bundles:
+            for block in bundle.block_refs:
+                try:
+                    where = ray.experimental.get_object_locations([block])[block]["node_ids"]
+                except (AttributeError, KeyError):  # Ray Client drivers have no object directory
+                    where = []
+                yield block, block if here in where else remote_metas.remote(block)
+    finally:
+        getattr(bundles, "close", lambda: None)()  # a closed run stops Ray Data's run too
 
-    def metas(block: Any) -> Any:
-        """A block's counts read where it is: on this node in place (the object store maps it,
-        and only the `meta` column is decoded); elsewhere, or if unknown, by a task there."""
-        try:
-            where = ray.experimental.get_object_locations([block])[block]["node_ids"]
-        except (AttributeError, KeyError):  # Ray Client drivers have no object directory
-            where = []
-        return block if here in where else remote_metas.remote(block)
 
-    blocks = ((block, metas(block)) for bundle in bundles for block in bundle.block_refs)
+def _in_order(
+    ray: ModuleType, blocks: Iterator[tuple[Any, Any]], first: int, end: int
+) -> Iterator[ChunkResult]:
+    """The counts of chunks first..end-1 (each block with its counts, `_with_metas`), checked
+    to come once each and in order, their rows as RowRefs. A block is handed on as soon as it
+    comes: none waits for later ones."""
     expected = first
-    for block, future in _ahead(blocks, 2):
+    for block, future in blocks:
         got = ray.get(future)
         for row, index, meta in got if isinstance(got, list) else _block_metas(got):
             if index < expected:  # a block that Ray Data handed over again, in slices
@@ -243,16 +251,6 @@ def _referred(result: ChunkResult, block: Any, row: int) -> ChunkResult:
         for j, ((domain, _), tokens) in enumerate(zip(result.rows, result.sizes))
     ]
     return result
-
-
-def _ahead(items: Iterator[Any], n: int) -> Iterator[Any]:
-    """`items`, drawn `n` ahead of the consumer (so that their remote calls are already running)."""
-    window: collections.deque = collections.deque()
-    for item in items:
-        window.append(item)
-        if len(window) > n:
-            yield window.popleft()
-    yield from window
 
 
 def _scan_row(row: dict[str, Any]) -> dict[str, Any]:
