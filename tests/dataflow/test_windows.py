@@ -194,3 +194,40 @@ def test_packed_windows_cross_as_stored_and_collate_as_the_items_would(shards, m
 
 def roles_of(loader: DataflowLoader) -> tuple:
     return loader.distributor, loader.processor, loader.batcher, loader.collator
+
+
+class _Doubled:
+    """A processor: items read and changed in the reading thread, so no window path."""
+
+    def process(self, item: dict) -> dict:
+        return {**item, "input_ids": item["input_ids"] * 2}
+
+
+@pytest.mark.parametrize("mode", [{}, {"num_threads": 2}], ids=str)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-windows", "collated-items"])
+def test_pin_memory_pins_every_tensor_of_an_in_process_batch_and_keeps_its_ints(
+    shards, mode, packed, monkeypatch
+):
+    """pin_memory=True pins each tensor of a batch made in this process (packed windows carry
+    ints too: max_seqlen, num_tokens). This machine has no CUDA, so pinning is stood in for;
+    workers' batches are pinned by torch's DataLoader itself."""
+    pinned: list[torch.Tensor] = []
+
+    def pin(tensor: torch.Tensor, *device) -> torch.Tensor:
+        pinned.append(tensor)
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    distributor = MapDistributor(dataset("sft", shards), seed=SEED, num_epochs=1)
+    if packed:
+        roles = {"batcher": PoolPackingBatcher(3 * WINDOW, pool_size=5)}
+        roles["collator"] = PackedCollator()
+    else:
+        roles = {"batch_size": BATCH, "processor": _Doubled()}
+    batches = list(DataflowLoader(distributor, pin_memory=True, **roles, **mode))
+    tensors = [v for b in batches for v in b.values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) == len(pinned) > 0
+    assert {id(t) for t in pinned}.isdisjoint(id(t) for t in tensors)  # the pinned copies
+    if packed:
+        assert all(type(b["max_seqlen"]) is int and type(b["num_tokens"]) is int for b in batches)

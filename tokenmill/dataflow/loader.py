@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
 from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator, PackedCollator
@@ -306,6 +307,7 @@ class DataflowLoader:
                     multiprocessing_context=self.multiprocessing_context,
                 )
             )
+        pin = self.pin_memory and torch.cuda.is_available()  # tensors only: ints pass as they are
         try:
             while True:
                 try:
@@ -320,8 +322,9 @@ class DataflowLoader:
                     ) from err
                 if isinstance(batch, WindowBatch):
                     batch = collate_windows(batch, self.collator)
-                    if self.pin_memory and torch.cuda.is_available():
-                        batch = {k: v.pin_memory() for k, v in batch.items()}
+                    batch = pin_memory(batch) if pin else batch
+                elif pin and not self.num_workers:  # a worker's own batch: the DataLoader pinned it
+                    batch = pin_memory(batch)
                 self._position, self.counters = position, counters
                 self.consumed_batches += 1
                 self._trail.append((position, self.consumed_batches))
