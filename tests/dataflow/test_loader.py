@@ -30,7 +30,7 @@ from tokenmill.dataflow import (
 )
 from tokenmill.dataflow.batchers import token_count
 from tokenmill.dataflow.distributors import DataDistributor
-from tokenmill.dataflow.loader import plans_from_lengths
+from tokenmill.dataflow.roles import plans_from_lengths
 from tokenmill.training.state import epoch_order
 
 ROOT = ROOT

@@ -20,8 +20,8 @@ from tokenmill.dataflow import (
     PoolPackingBatcher,
     SimpleBatcher,
 )
-from tokenmill.dataflow.loader import run_roles
 from tokenmill.dataflow.processors import IdentityProcessor
+from tokenmill.dataflow.roles import run_roles
 from tokenmill.training import windows
 from tokenmill.training.datasets import SEQDataset, SFTDataset
 from tokenmill.training.mmap_store import MmapStore

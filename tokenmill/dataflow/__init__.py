@@ -1,7 +1,8 @@
 """The modular loader: four roles in fixed order, run inside torch DataLoader workers.
 
 DataDistributor (distributors.py) -> RawItemProcessor (processors.py) -> SampleBatcher
-(batchers.py) -> BatchCollator (collators.py), driven by DataflowLoader (loader.py).
+(batchers.py) -> BatchCollator (collators.py), in order per worker (roles.py), driven by
+DataflowLoader (loader.py).
 """
 
 from tokenmill.dataflow.batchers import (
