@@ -6,7 +6,7 @@ each document. Candidate: the whole Pipeline (read, validate, render, tokenize, 
 write shards) on the same records with all cores, on the `sft`, `dpo` and `seq` presets. Each
 corpus repeats a sample file to at least `tokens` tokens, so worker start-up is amortised.
 Prints medians and each type's ratio (the median of per-repeat ratios); the goal is >= 0.9x.
-Run: python benchmarks/bench_preprocess.py [--tokens 10000000] [--repeats 3] [--workers N]
+Run: python benchmarks/bench_preprocess.py [--tokens 10000000] [--repeats 5] [--workers N]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def run(
 
 
 def main(
-    tokens: int = 10_000_000, repeats: int = 3, workers: int | None = None
+    tokens: int = 10_000_000, repeats: int = 5, workers: int | None = None
 ) -> dict[str, float]:
     workers = workers or os.cpu_count() or 1
     figures: dict[str, float] = {}
@@ -119,7 +119,7 @@ def main(
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=10_000_000, help="tokens per type, at least")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=None)
     args = parser.parse_args()
     main(args.tokens, args.repeats, args.workers)

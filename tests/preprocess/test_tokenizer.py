@@ -117,6 +117,22 @@ def test_the_unnormalized_tokenizer_shares_the_model_and_its_added_tokens():
     assert unnormalized(cutting) is cutting
 
 
+@pytest.mark.parametrize("family", ["qwen2.5", "deepseek-v3"])
+def test_the_larger_word_cache_gives_the_ids_of_a_plain_tokenizer(family):
+    """Loaded, a BPE model keeps more merged words than `tokenizers` does by default: a text of
+    more distinct words than that default, encoded twice (the second time from the cache),
+    gives a plain tokenizer's ids both times."""
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyzäöüß"))
+    words = ["".join(rng.choice(letters, 8)) for _ in range(12_000)]
+    texts = [" ".join(words[i : i + 200]) for i in range(0, len(words), 200)]
+    loaded = load_tokenizer(TOKENIZERS / family).tokenizer
+    plain = tokenizers.Tokenizer.from_file(str(TOKENIZERS / family / "tokenizer.json"))
+    expected = [e.ids for e in plain.encode_batch(texts, add_special_tokens=False)]
+    for _ in range(2):
+        assert [loaded.encode(t, add_special_tokens=False).ids for t in texts] == expected
+
+
 def test_text_with_a_character_python_does_not_know_is_not_stable():
     """A code point unassigned in Python's Unicode tables could be a combining mark of a newer
     version, which the tokenizer's NFC would move: such text keeps the normalizer."""

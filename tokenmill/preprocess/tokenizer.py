@@ -48,6 +48,12 @@ class TokenizerBundle:
     add_bos_token: bool = False
 
 
+# Words a BPE model keeps merged: `tokenizers` keeps 10,000 and caches no new word once it is
+# full, so a corpus with more distinct words merges the rest again at every occurrence. This
+# many costs about 19 MiB per process and about 5% of a run's time on the shipped samples.
+BPE_CACHE_WORDS = 100_000
+
+
 def load_tokenizer(path: str | Path) -> TokenizerBundle:
     """Load `tokenizer.json` + `tokenizer_config.json` from a folder, once per process."""
     return _load_folder(str(Path(path).resolve()))
@@ -64,6 +70,9 @@ def _load_folder(folder: str) -> TokenizerBundle:
         tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception on bad files
         raise ValueError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
+    resize = getattr(tokenizer.model, "_resize_cache", None)  # BPE models have one
+    if resize is not None:
+        resize(BPE_CACHE_WORDS)
     config: dict[str, Any] = {}
     if config_file.is_file():
         try:
