@@ -25,6 +25,7 @@ from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
+from tokenmill.preprocess.token_offsets import added_table
 from tokenmill.preprocess.tokenizer import encode_fast, load_tokenizer, tokenizer_threads_off
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens, trained_count
 
@@ -100,6 +101,7 @@ class Maskers:
     def __init__(self, config_data: dict, tokenizer_path: str):
         self.config = PipelineConfig.from_dict(config_data)
         self.bundle = load_tokenizer(tokenizer_path)
+        added_table(self.bundle.tokenizer)  # once, here: each thread's first chunk would make it
         self._local = threading.local()
 
     def process(self, chunk: Chunk) -> ChunkResult:
