@@ -39,7 +39,8 @@ from tokenmill.preprocess.ray_writer import RowRef
 
 class ChunkWorker:
     """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units,
-    THREADS chunks at once as the local engine's processes do (`process_stream`)."""
+    THREADS chunks at once as the local engine's processes do (`process_stream`); Ray Data calls
+    it for two units at once, whose chunks share those threads."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
         # the actor's threads encode on their own: a batched encode may not add threads
@@ -118,7 +119,11 @@ def ray_results(
             fn_constructor_args=args,
             batch_size=1,
             batch_format="numpy",
-            compute=ray.data.ActorPoolStrategy(size=size),
+            # two tasks at once on an actor, on its THREADS threads: the next task's chunks
+            # start while the last chunk of the one before is still being worked
+            compute=ray.data.ActorPoolStrategy(
+                size=size, max_concurrent_calls_per_actor=2, enable_true_multi_threading=True
+            ),
             num_cpus=cpus,
         )
         blocks, close = _pulled(lambda: _with_metas(ray, results.iter_internal_ref_bundles()))
@@ -291,7 +296,7 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         options.preserve_order = saved[1]
 
 
-TASK_CHUNKS = 4 * THREADS  # an actor's threads drain at the end of each task: not too often
+TASK_CHUNKS = 4 * THREADS  # a task's chunks: few tasks to schedule, and the driver's first unit
 
 
 def _joined(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
