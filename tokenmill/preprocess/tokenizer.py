@@ -70,7 +70,7 @@ def _load_folder(folder: str) -> TokenizerBundle:
         tokenizer = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # tokenizers raises a bare Exception on bad files
         raise ValueError(f"{tokenizer_file}: cannot load tokenizer: {exc}") from exc
-    resize = getattr(tokenizer.model, "_resize_cache", None)  # BPE models have one
+    resize = getattr(tokenizer.model, "_resize_cache", None)  # BPE models: private, pinned version
     if resize is not None:
         resize(BPE_CACHE_WORDS)
     config: dict[str, Any] = {}
