@@ -301,7 +301,7 @@ TASK_CHUNKS = 4 * THREADS  # a task's chunks: few tasks to schedule, and the dri
 
 def _joined(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
     """Consecutive units joined until each has TASK_CHUNKS plans (a seekable file makes a unit
-    per chunk), so that an actor's threads seldom wait for its next task; plans stay in order,
+    per chunk), so that tasks are few (each is a Ray Data round trip); plans stay in order,
     read by one reader, as a unit's are."""
     joined: list[ChunkPlan] = []
     for unit in units:
