@@ -76,7 +76,7 @@ def floor(texts: list[str], add_special_tokens: bool, own: bool = False) -> tupl
 
 def cold_tokenizer() -> tokenizers.Tokenizer:
     """This process's tokenizer object (the pipeline's), its word cache emptied: as cold as a
-    fresh process's (or a Ray actor's)."""
+    fresh process's, as a run starts (its Maskers empty the cache too)."""
     tokenizer = load_tokenizer(TOKENIZER).tokenizer
     tokenizer.model._clear_cache()
     return tokenizer

@@ -1,7 +1,7 @@
 """Ray engine throughput next to the local engine, on the same machine, data and worker count.
 
 Both runs are the whole Pipeline (read, mask, pack, write shards) over chat SFT records; the
-Ray engine's time includes its scan pass and its actor pool's start (Ray itself is started once,
+Ray engine's time includes its scan pass and its tasks' start (Ray itself is started once,
 before timing), a fixed cost that a larger input amortises: so each size in `copies` (copies of
 the 1,000-record sample; 8 is about 10M tokens, bench_preprocess's size; 24 about 30M) gets
 its own row.

@@ -18,7 +18,6 @@ from tokenmill.preprocess import ray_results, ray_writer
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.ray_results import ChunkWorker
 from tokenmill.preprocess.records import RecordError
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards
@@ -73,8 +72,8 @@ def assert_same_dataset(out: Path, reference: Path) -> None:
     [(2, None, (1, 1.0)), (2, 2, (1, 1.0)), (2, 8, (4, 0.25)), (16, 64, (32, 0.46)),
      (16, None, (8, 1.87)), (1, None, (1, 0.5)), (96, 8, (4, 2.0))],
 )  # fmt: skip
-def test_the_actor_pool_always_leaves_a_cpu_for_the_shard_writes(cpus, workers, expected):
-    """Workers are threads, two to an actor; an actor's share is at most its two CPUs."""
+def test_the_task_pool_always_leaves_a_cpu_for_the_shard_writes(cpus, workers, expected):
+    """Workers are threads, two to a task; a task's share is at most its two CPUs."""
     size, share = ray_results.pool_size(cpus, workers)
     assert (size, share) == expected
     assert cpus - size * share >= min(1.0, cpus / 2) - 1e-9
@@ -114,28 +113,85 @@ def test_every_training_type_matches_the_local_engine(tmp_path, ray_address, tra
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
 
 
+def noted_runs(tmp_path: Path, monkeypatch, pool_waits: bool) -> tuple[Path, Path, Path]:
+    """Ray Data's tasks and the driver's head start, each noting the chunks it yields in a
+    folder of its own ("pool", "driver"); the pool's tasks wait until the driver's head start
+    has ended (`pool_waits`), else the driver waits until the pool has yielded a chunk. The
+    third path is the file "driver-done" that the driver touches at the end of its head start."""
+    pool, driver, driver_done = tmp_path / "pool", tmp_path / "driver", tmp_path / "driver-done"
+    pool.mkdir()
+    driver.mkdir()
+    process_units, on_driver = ray_results.process_units, ray_results._on_driver
+
+    def noting(batch, *args):  # defined here, so Ray ships it by value to its workers
+        deadline = time.time() + 60
+        while pool_waits and not driver_done.exists() and time.time() < deadline:
+            time.sleep(0.01)
+        for out in process_units(batch, *args):
+            (pool / str(int(out["index"][0]))).touch()
+            yield out
+
+    def driver_noting(*args):
+        deadline = time.time() + 60
+        while not pool_waits and not any(pool.iterdir()) and time.time() < deadline:
+            time.sleep(0.01)
+        for result in on_driver(*args):
+            (driver / str(result.index)).touch()
+            yield result
+        driver_done.touch()
+
+    monkeypatch.setattr(ray_results, "process_units", noting)
+    monkeypatch.setattr(ray_results, "_on_driver", driver_noting)
+    return pool, driver, driver_done
+
+
+def indices(folder: Path) -> list[int]:
+    return sorted(int(p.name) for p in folder.iterdir())
+
+
 @pytest.mark.parametrize("train_type", ["sft", "dpo"])
-def test_the_driver_works_the_first_unit_while_the_pool_starts(
+def test_the_driver_works_the_first_task_until_the_pool_claims_a_chunk(
     tmp_path, ray_address, monkeypatch, train_type
 ):
-    """20 chunks, in units of TASK_CHUNKS (8): the driver's threads take chunks 0-7 while Ray
-    Data starts its actor, the actors take 8-19, and the output is the local engine's."""
+    """20 chunks, in tasks of TASK_CHUNKS: while Ray Data starts its first task (here: holds
+    it back), the driver takes that task's chunks one by one, claiming each; the task finds
+    them all claimed and yields nothing; the pool's other tasks take the rest. The output is
+    the local engine's."""
     src = head(DATA / TYPES[train_type], tmp_path / TYPES[train_type], 40)
-    done = tmp_path / "by-actors"
-    done.mkdir()
-
-    class Noting(ChunkWorker):  # defined here, so Ray ships it by value to the actors
-        def __call__(self, batch):
-            for out in super().__call__(batch):
-                (done / str(int(out["index"][0]))).touch()
-                yield out
-
-    monkeypatch.setattr(ray_results, "ChunkWorker", Noting)
+    pool, driver, _ = noted_runs(tmp_path, monkeypatch, pool_waits=True)
     cfg = config(train_type, batch_size=2)
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
-    assert sorted(int(p.name) for p in done.iterdir()) == list(range(ray_results.TASK_CHUNKS, 20))
+    assert indices(driver) == list(range(ray_results.TASK_CHUNKS))
+    assert indices(pool) == list(range(ray_results.TASK_CHUNKS, 20))
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
+
+
+def test_a_chunk_the_pool_claimed_first_is_left_to_it(tmp_path, ray_address, monkeypatch):
+    """The pool's first task claims the chunks of its task that the driver has not taken, at
+    once; the driver, here held back until then, finds its first chunk claimed and leaves the
+    whole run to the pool."""
+    src = head(DATA / TYPES["sft"], tmp_path / TYPES["sft"], 40)
+    pool, driver, driver_done = noted_runs(tmp_path, monkeypatch, pool_waits=False)
+    cfg = config("sft", batch_size=2)
+    Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
+    Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
+    assert driver_done.exists() and indices(driver) == []
+    assert indices(pool) == list(range(20))
+    assert_same_dataset(tmp_path / "ray", tmp_path / "local")
+
+
+def test_a_claim_is_its_owners_again_and_no_one_elses(ray_address):
+    """A task that Ray runs again (its worker died) claims its chunks again: they are still
+    the pool's; a chunk the driver has is not."""
+    claims = "tokenmill-test-claims-"
+    assert ray_results._claim(claims, 0, "driver") and ray_results._claim(claims, 0, "driver")
+    assert not ray_results._claim(claims, 0, "pool")
+    assert ray_results._claim(claims, 1, "pool") and ray_results._claim(claims, 1, "pool")
+    assert not ray_results._claim(claims, 1, "driver")
+    ray_results._claims_kv()._internal_kv_del(
+        claims, del_by_prefix=True, namespace=ray_results._CLAIMS
+    )
 
 
 def test_every_input_format_and_bad_records_match_the_local_engine(tmp_path, ray_address):
@@ -180,16 +236,18 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 40)
     marker = tmp_path / "crashed-once"
 
-    class CrashOnce(ChunkWorker):  # defined here, so Ray ships it by value to the actors
-        def __call__(self, batch):
-            for out in super().__call__(batch):
-                if int(out["index"][0]) == 3 and not marker.exists():
-                    marker.touch()
-                    os._exit(1)  # the actor's process dies with chunk 3 done, not yet handed on
-                yield out
+    process_units = ray_results.process_units
+    crash_at = ray_results.TASK_CHUNKS + 1  # the second chunk of the second task: no driver's
 
-    monkeypatch.setattr(ray_results, "ChunkWorker", CrashOnce)
-    cfg = config("seq")
+    def crash_once(batch, *args):  # defined here, so Ray ships it by value to its workers
+        for out in process_units(batch, *args):
+            if int(out["index"][0]) == crash_at and not marker.exists():
+                marker.touch()
+                os._exit(1)  # the task's process dies with a chunk done, not yet handed on
+            yield out
+
+    monkeypatch.setattr(ray_results, "process_units", crash_once)
+    cfg = config("seq", batch_size=2)  # 20 chunks
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=1, on_error="skip", engine="ray").run()
     assert marker.exists()
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()

@@ -26,7 +26,12 @@ from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
 from tokenmill.preprocess.token_offsets import added_table
-from tokenmill.preprocess.tokenizer import encode_fast, load_tokenizer, tokenizer_threads_off
+from tokenmill.preprocess.tokenizer import (
+    empty_word_cache,
+    encode_fast,
+    load_tokenizer,
+    tokenizer_threads_off,
+)
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens, trained_count
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -101,6 +106,7 @@ class Maskers:
     def __init__(self, config_data: dict, tokenizer_path: str):
         self.config = PipelineConfig.from_dict(config_data)
         self.bundle = load_tokenizer(tokenizer_path)
+        empty_word_cache(self.bundle.tokenizer)  # a run's own words, not an earlier run's
         added_table(self.bundle.tokenizer)  # once, here: each thread's first chunk would make it
         self._local = threading.local()
 
@@ -116,10 +122,12 @@ _THREADS: ThreadPoolExecutor | None = None
 
 
 def setup_worker(config_data: dict, tokenizer_path: str) -> None:
-    """A worker process: the tokenizer loaded once, and the threads its chunks run on."""
+    """A worker process set up for a run: its maskers (the tokenizer is loaded once per
+    process), and the threads its chunks run on, started once (a Ray worker serves many runs)."""
     global _MASKERS, _THREADS
     _MASKERS = Maskers(config_data, tokenizer_path)
-    _THREADS = ThreadPoolExecutor(THREADS, thread_name_prefix="tokenmill-chunk")
+    if _THREADS is None:
+        _THREADS = ThreadPoolExecutor(THREADS, thread_name_prefix="tokenmill-chunk")
 
 
 def process_chunks(chunks: list[Chunk]) -> list[ChunkResult]:
@@ -153,15 +161,16 @@ def process_stream(
 
 
 def process_here(
-    chunks: Iterator[Chunk], threads: int, args: tuple[dict, str]
+    chunks: Iterator[Chunk], threads: int, args: tuple[dict, str], ahead: int | None = None
 ) -> Iterator[ChunkResult]:
     """Chunks processed on `threads` threads of this process; `args` = (config data, tokenizer
-    path), as `setup_worker` takes them."""
+    path), as `setup_worker` takes them. Up to `ahead` chunks at once (default: twice the
+    threads, since this thread also writes the shards)."""
     maskers = Maskers(*args)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-chunk")
     try:
-        with tokenizer_threads_off():  # read further ahead: this thread also writes the shards
-            yield from process_stream(chunks, maskers, pool, ahead=2 * threads)
+        with tokenizer_threads_off():
+            yield from process_stream(chunks, maskers, pool, ahead=ahead or 2 * threads)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 

@@ -162,7 +162,7 @@ class Pipeline:
             writers[d].published = list(infos)  # shards reused from the interrupted run
         bar = _progress_bar(self.progress)
         try:
-            # closing: on an error the engine stops now (Ray: its actor pool), not at garbage collection
+            # closing: on an error the engine stops now (Ray: its tasks), not at garbage collection
             with contextlib.closing(self._results(files, state.chunks_done)) as results:
                 for result in results:
                     self._consume(result, masker, writers, state, bar, journal)

@@ -3,10 +3,11 @@
 Used by `Pipeline(engine="ray")` in place of the local engine's threads:
 1. scan (Ray Data, a task per file, `plans.scan_file`): record counts, positions and read
    errors, so that the driver cuts the same chunks as `iter_chunks` (`plans.plan_chunks`);
-2. process (Ray Data `map_batches` on an actor pool that loads the tokenizer once per actor):
-   `process_chunk`, the local engine's own function, on THREADS threads that take each chunk
-   as it is read; the rows stay in the object store and only each chunk's counts reach the
-   driver, in chunk order;
+2. process (Ray Data `map_batches` tasks, in Ray's worker processes, each of which loads the
+   tokenizer once): `process_chunk`, the local engine's own function, on THREADS threads; the
+   driver works the first task's chunks while that task starts (`ray_results._on_driver`);
+   the rows stay in the object store and only each chunk's counts reach the driver, in chunk
+   order;
 3. write (Ray tasks): the driver cuts shards with the local writer's rule and a task per shard
    gathers its rows and writes it; the driver renames finished shards into place in order
    (output to a bucket: the task uploads its shard, meta.json last, after the driver has

@@ -1,16 +1,19 @@
-"""The Ray engine's scan and process steps (ray_engine.py has the whole flow): the actor that
-masks and packs work units, the driver's head start while Ray Data starts the pool, and each
-chunk's counts back on the driver in chunk order, its rows left in the object store."""
+"""The Ray engine's scan and process steps (ray_engine.py has the whole flow): the Ray Data
+task that masks and packs work units, the driver's head start while Ray Data starts the first
+task (that task's chunks are claimed one by one, by the driver or the task, whichever comes
+first), and each chunk's counts back on the driver in chunk order, its rows left in the object
+store."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import queue
 import threading
+import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 from types import ModuleType
 from typing import Any
 
@@ -35,26 +38,31 @@ from tokenmill.preprocess.plans import (
     work_units,
 )
 from tokenmill.preprocess.ray_writer import RowRef
+from tokenmill.preprocess.tokenizer import tokenizer_threads_off
+
+_RUN: str | None = None  # the run this worker process is set up for (`setup_worker`)
 
 
-class ChunkWorker:
-    """One actor of the pool: loads the tokenizer once, then reads, masks and packs work units,
-    THREADS chunks at once as the local engine's processes do (`process_stream`); Ray Data calls
-    it for two units at once, whose chunks share those threads."""
-
-    def __init__(self, config_data: dict, tokenizer_path: str):
-        # the actor's threads encode on their own: a batched encode may not add threads
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        setup_worker(config_data, tokenizer_path)  # as a local engine's worker process
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        """A unit's plans in; one output row per chunk: its index, its counts (`meta`: the
-        ChunkResult with each row replaced by its domain) and its rows, yielded chunk by chunk
-        (Ray Data may put several in one block). The columns hold Python objects that Ray Data
-        serialises itself."""
-        reader = FileRangeReader()
-        try:
-            for unit in batch["unit"]:
+def process_units(
+    batch: dict[str, np.ndarray], run: str, config_data: dict, tokenizer_path: str
+) -> Iterator[dict[str, np.ndarray]]:
+    """A Ray Data task: a unit's plans in, THREADS chunks at once as a local engine's process
+    works them (`process_stream`); one output row per chunk: its index, its counts (`meta`: the
+    ChunkResult with each row replaced by its domain) and its rows, yielded chunk by chunk (Ray
+    Data may put several in one block). The columns hold Python objects that Ray Data
+    serialises itself. Ray keeps its worker processes, so a process is set up (the tokenizer
+    loaded once, the threads started once) at its first task of a run, and not again: there is
+    no actor to start, which costs a second or two before a run's first chunk."""
+    global _RUN
+    if _RUN != run:
+        setup_worker(config_data, tokenizer_path)
+        _RUN = run
+    reader = FileRangeReader()
+    try:
+        with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
+            for unit, claims in zip(batch["unit"], batch["claims"], strict=True):
+                if claims:  # the first task: the chunks the driver has not taken, all at once
+                    unit = [plan for plan in unit if _claim(claims, plan.index, "pool")]
                 chunks = (read_chunk(plan, reader) for plan in unit)
                 for plan, result in zip(unit, process_stream(chunks), strict=True):
                     rows = ChunkRows([row for _, row in result.rows])
@@ -64,8 +72,8 @@ class ChunkWorker:
                         "meta": _objects([result]),
                         "rows": _objects([rows]),
                     }
-        finally:
-            reader.close()
+    finally:
+        reader.close()
 
 
 @dataclass
@@ -83,10 +91,14 @@ def _objects(values: list) -> np.ndarray:
 
 
 def _block_metas(block: Any) -> list[tuple[int, int, ChunkResult]]:
-    """(row in block, chunk index, meta) of each chunk in a block; runs where the block is."""
+    """(row in block, chunk index, meta) of each chunk in a block; runs where the block is. A
+    task whose chunks the driver took all yields an empty block, without columns."""
     from ray.data.block import BlockAccessor
 
-    columns = BlockAccessor.for_block(block).to_numpy(["index", "meta"])
+    accessor = BlockAccessor.for_block(block)
+    if accessor.num_rows() == 0:
+        return []
+    columns = accessor.to_numpy(["index", "meta"])
     return [(r, int(i), m) for r, (i, m) in enumerate(zip(columns["index"], columns["meta"]))]
 
 
@@ -111,42 +123,65 @@ def ray_results(
         units = list(_joined(work_units(plans)))
         if not units:
             return
-        head = units.pop(0) if len(units) > 1 and DRIVER_THREADS else []  # while the pool starts
-        items = [{"first": unit[0].index, "unit": unit} for unit in units]
+        run = uuid.uuid4().hex
+        claims = f"tokenmill-{run}-chunk-" if DRIVER_THREADS else ""
+        items = [
+            {"first": unit[0].index, "unit": unit, "claims": claims if i == 0 else ""}
+            for i, unit in enumerate(units)
+        ]
         size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
         results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            ChunkWorker,  # Ray Data restarts a dead actor and retries its task (max_restarts=-1)
-            fn_constructor_args=args,
+            process_units,  # Ray Data runs a task again if its worker dies (max_retries=-1)
+            fn_args=(run, *args),
             batch_size=1,
             batch_format="numpy",
-            # two tasks at once on an actor, on its THREADS threads: the next task's chunks
-            # start while the last chunk of the one before is still being worked
-            compute=ray.data.ActorPoolStrategy(
-                size=size, max_concurrent_calls_per_actor=2, enable_true_multi_threading=True
-            ),
+            compute=ray.data.TaskPoolStrategy(size=size),
             num_cpus=cpus,
         )
         blocks, close = _pulled(lambda: _with_metas(ray, results.iter_internal_ref_bundles()))
         try:
-            yield from _on_driver(ray, head, args, DRIVER_THREADS)
-            first = first_chunk + len(head)
-            yield from _in_order(ray, blocks, first, first + sum(len(unit) for unit in units))
-        finally:  # a closed run: Ray Data stops its pool, before the session may end
+            first = first_chunk
+            for result in _on_driver(ray, units[0] if claims else [], args, claims):
+                first += 1
+                yield result
+            yield from _in_order(ray, blocks, first, first_chunk + sum(map(len, units)))
+        finally:  # a closed run: Ray Data stops its tasks, before the session may end
             close()
+            if claims and ray.is_initialized():  # a lost connection keeps the run's own error
+                _claims_kv()._internal_kv_del(claims, del_by_prefix=True, namespace=_CLAIMS)
 
 
-# Threads on which the driver works the first unit while Ray Data starts the pool: one, so that
-# the pool's start (the driver's Ray Data thread, the actor's process) keeps a core.
+# Threads on which the driver works the first task's chunks while Ray Data starts that task:
+# one, so that the task's start (Ray Data's scheduling, the worker's tokenizer) keeps a core;
+# 0: none, the tasks take every chunk.
 DRIVER_THREADS = 1
 _END = object()
+_CLAIMS = "tokenmill"  # the namespace of the claims in Ray's key-value store
+
+
+def _claims_kv() -> ModuleType:
+    """Ray's internal key-value store (in the GCS, reached from the driver and every worker):
+    its put-if-absent is the claim. Internal to the pinned Ray, as Ray's own libraries use it."""
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+def _claim(claims: str, index: int, owner: str) -> bool:
+    """Whether chunk `index` is `owner`'s ("driver" or "pool"): taken now, or earlier by the
+    same owner (a task that Ray Data runs again after its worker died claims its chunks again)."""
+    kv, key = _claims_kv(), f"{claims}{index}"
+    if not kv._internal_kv_put(key, owner, overwrite=False, namespace=_CLAIMS):
+        return True  # the key was not there: taken now
+    return kv._internal_kv_get(key, namespace=_CLAIMS) == owner.encode()
 
 
 def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable[[], None]]:
     """The items of `start()`, pulled on a thread of the driver from now on (Ray Data's iterator
-    only returns once the pool has its first output, a second or two that the driver spends on
-    its own unit, `_on_driver`), at most 2 ahead of the reader, so that Ray Data's backpressure
+    only returns once the first task has output, a time that the driver spends on that task's
+    chunks, `_on_driver`), at most 2 ahead of the reader, so that Ray Data's backpressure
     still holds; and `close`, which stops the pull (and with it Ray Data's run) and waits for
-    its thread, which may first wait for the pool's first output."""
+    its thread, which may first wait for the first task's output."""
     items: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
 
@@ -193,17 +228,22 @@ def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable
 
 
 def _on_driver(
-    ray: ModuleType, unit: list[ChunkPlan], args: tuple[dict, str], threads: int
+    ray: ModuleType, unit: list[ChunkPlan], args: tuple[dict, str], claims: str
 ) -> Iterator[ChunkResult]:
-    """A unit processed on the driver's own threads while Ray Data starts the actor pool (about
-    a second before an actor's first chunk): the same chunks and code; each chunk's rows are put
-    in the object store, where a write task finds them as it finds an actor's."""
+    """The first task's chunks processed on the driver while Ray Data starts that task (a
+    worker's first task of a run also loads the tokenizer), on DRIVER_THREADS threads, each
+    chunk claimed as it is read; the first that the task has claimed (it has started, and
+    took the rest of its chunks at once) ends it, so the chunks done here are a prefix. The
+    same code as a task's; each chunk's rows are put in the object store, where a write task
+    finds them."""
     if not unit:
         return
     reader = FileRangeReader()
     try:
-        chunks = (read_chunk(plan, reader) for plan in unit)
-        for result in process_here(chunks, threads, args):
+        ours = takewhile(lambda plan: _claim(claims, plan.index, "driver"), unit)
+        chunks = (read_chunk(plan, reader) for plan in ours)
+        # claimed as a thread comes free, not ahead: the task may take the next one
+        for result in process_here(chunks, DRIVER_THREADS, args, ahead=DRIVER_THREADS):
             rows = ray.put([ChunkRows([row for _, row in result.rows])])
             yield _referred(result, rows, 0)
     finally:
@@ -211,7 +251,7 @@ def _on_driver(
 
 
 def _with_metas(ray: ModuleType, bundles: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
-    """Each block of Ray Data's ref bundles (the pool starts with the first pull) and its counts:
+    """Each block of Ray Data's ref bundles (the tasks start with the first pull) and its counts:
     on this node the block itself (the object store maps it, and only the `meta` column is
     decoded); elsewhere, or if unknown, a task there, started as the block comes in, on the
     pull thread, so that it runs before the driver asks for it."""
@@ -296,7 +336,7 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         options.preserve_order = saved[1]
 
 
-TASK_CHUNKS = 4 * THREADS  # a task's chunks: few tasks to schedule, and the driver's first unit
+TASK_CHUNKS = 4 * THREADS  # a task's chunks: few tasks to schedule, few ends where threads drain
 
 
 def _joined(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
@@ -314,11 +354,11 @@ def _joined(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
 
 
 def pool_size(cpus: float, workers: int | None) -> tuple[int, float]:
-    """(actors, CPUs per actor): one CPU (half the cluster if it has less than two) stays free
-    for the shard writes (0.25 each) and Ray Data's own tasks; `workers` (default: the CPUs
-    left) are threads, THREADS to an actor as to a local engine's process. The actors share
+    """(tasks at once, CPUs per task): one CPU (half the cluster if it has less than two) stays
+    free for the shard writes (0.25 each) and Ray Data's own tasks; `workers` (default: the
+    CPUs left) are threads, THREADS to a task as to a local engine's process. The tasks share
     the rest, at most THREADS CPUs each (rounded down, so that reservation always holds: else
-    a write could wait for a CPU forever while the pool waits for the driver)."""
+    a write could wait for a CPU forever while the tasks wait for the driver)."""
     free = min(1.0, cpus / 2)
     threads = workers if workers is not None else max(1, int(cpus - free))
     size = -(-threads // THREADS)

@@ -54,6 +54,15 @@ class TokenizerBundle:
 BPE_CACHE_WORDS = 100_000
 
 
+def empty_word_cache(tokenizer: tokenizers.Tokenizer) -> None:
+    """A run starts with no merged words cached, as in a fresh process: the cache takes no new
+    word once full, so the words of a run before (same process, same tokenizer, loaded once)
+    would crowd out this run's."""
+    clear = getattr(tokenizer.model, "_clear_cache", None)  # BPE models: private, pinned version
+    if clear is not None:
+        clear()
+
+
 def load_tokenizer(path: str | Path) -> TokenizerBundle:
     """Load `tokenizer.json` + `tokenizer_config.json` from a folder, once per process."""
     return _load_folder(str(Path(path).resolve()))

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workers",
         type=int,
         default=None,
-        help="worker threads, 2 to a process or Ray actor (default: all cores; with --engine ray, cluster CPUs - 1)",
+        help="worker threads, 2 to a process or Ray task (default: all cores; with --engine ray, cluster CPUs - 1)",
     )
     p.add_argument("--on-error", choices=list(ON_ERROR), default="raise")
     p.add_argument("--engine", choices=list(ENGINES), default="local")
