@@ -165,6 +165,8 @@ def test_the_driver_works_the_first_task_until_the_pool_claims_a_chunk(
     assert indices(driver) == list(range(ray_results.TASK_CHUNKS))
     assert indices(pool) == list(range(ray_results.TASK_CHUNKS, 20))
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
+    kv = ray_results._claims_kv()
+    assert kv._internal_kv_list("tokenmill-", namespace=ray_results._CLAIMS) == []  # deleted
 
 
 def test_a_chunk_the_pool_claimed_first_is_left_to_it(tmp_path, ray_address, monkeypatch):
