@@ -32,7 +32,7 @@ from tokenmill.preprocess.chat_template import render_text
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.preprocess.tokenizer import empty_word_cache, load_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "data" / "tokenizers" / "qwen2.5"
@@ -65,7 +65,8 @@ def floor(texts: list[str], add_special_tokens: bool, own: bool = False) -> tupl
     """(seconds, tokens) of one `encode_batch` over all the texts: on a plain tokenizer, or
     (`own`) on the pipeline's tokenizer object with its word cache emptied."""
     if own:
-        tokenizer = cold_tokenizer()
+        tokenizer = load_tokenizer(TOKENIZER).tokenizer
+        empty_word_cache(tokenizer)  # as a run starts (the pipeline's Maskers empty it too)
     else:
         tokenizer = tokenizers.Tokenizer.from_file(str(TOKENIZER / "tokenizer.json"))
     start = time.perf_counter()
@@ -74,20 +75,11 @@ def floor(texts: list[str], add_special_tokens: bool, own: bool = False) -> tupl
     return seconds, sum(len(e.ids) for e in encodings)
 
 
-def cold_tokenizer() -> tokenizers.Tokenizer:
-    """This process's tokenizer object (the pipeline's), its word cache emptied: as cold as a
-    fresh process's, as a run starts (its Maskers empty the cache too)."""
-    tokenizer = load_tokenizer(TOKENIZER).tokenizer
-    tokenizer.model._clear_cache()
-    return tokenizer
-
-
 def run(
     path: Path, out: Path, workers: int, engine: str = "local", train_type: str = "sft"
 ) -> tuple[float, int, int]:
     """(seconds, records read, tokens written) of one end-to-end Pipeline run on `engine`,
-    from an empty word cache."""
-    cold_tokenizer()
+    from an empty word cache (each run's Maskers empty it, on the driver and on Ray's workers)."""
     config = default_config(train_type).model_dump(mode="json")
     config["preprocessing"].update(max_seq_len=1_000_000, max_packed_len=1_000_000, min_chars=0)
     start = time.perf_counter()
