@@ -81,6 +81,22 @@ def test_the_task_pool_always_leaves_a_cpu_for_the_shard_writes(cpus, workers, e
         ray_results.pool_size(2, 300)
 
 
+@pytest.mark.parametrize(
+    ("chunks", "slots", "expected"),
+    [(12, 1, 12), (32, 1, 32), (94, 1, 47), (94, 2, 47), (12, 4, 8), (300, 2, 50), (1000, 1, 63)],
+)
+def test_a_small_input_is_one_task_per_slot_a_large_one_tasks_of_at_most_the_cap(
+    chunks, slots, expected
+):
+    """Each task's end lets a thread drain, so tasks are as few as the slots allow; the cap
+    bounds what a retried task redoes; a task has at least TASK_CHUNKS (but the last)."""
+    per_task = ray_results.task_chunks(chunks, slots)
+    assert per_task == expected
+    assert ray_results.TASK_CHUNKS <= per_task <= ray_results.MAX_TASK_CHUNKS
+    if chunks <= slots * ray_results.MAX_TASK_CHUNKS:
+        assert -(-chunks // per_task) <= slots
+
+
 def test_without_ray_the_message_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 5)
@@ -157,6 +173,7 @@ def test_the_driver_works_the_first_task_until_the_pool_claims_a_chunk(
     it back), the driver takes that task's chunks one by one, claiming each; the task finds
     them all claimed and yields nothing; the pool's other tasks take the rest. The output is
     the local engine's."""
+    monkeypatch.setattr(ray_results, "MAX_TASK_CHUNKS", ray_results.TASK_CHUNKS)
     src = head(DATA / TYPES[train_type], tmp_path / TYPES[train_type], 40)
     pool, driver, _ = noted_runs(tmp_path, monkeypatch, pool_waits=True)
     cfg = config(train_type, batch_size=2)
@@ -249,7 +266,8 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
             yield out
 
     monkeypatch.setattr(ray_results, "process_units", crash_once)
-    cfg = config("seq", batch_size=2)  # 20 chunks
+    monkeypatch.setattr(ray_results, "MAX_TASK_CHUNKS", ray_results.TASK_CHUNKS)
+    cfg = config("seq", batch_size=2)  # 20 chunks, in tasks of 8, 8 and 4
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=1, on_error="skip", engine="ray").run()
     assert marker.exists()
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()

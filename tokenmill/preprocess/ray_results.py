@@ -120,16 +120,17 @@ def ray_results(
             for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
             if p.index >= first_chunk
         )
-        units = list(_joined(work_units(plans)))
+        units = list(work_units(plans))
         if not units:
             return
+        size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
+        units = list(_joined(units, task_chunks(sum(map(len, units)), size)))
         run = uuid.uuid4().hex
         claims = f"tokenmill-{run}-chunk-" if DRIVER_THREADS else ""
         items = [
             {"first": unit[0].index, "unit": unit, "claims": claims if i == 0 else ""}
             for i, unit in enumerate(units)
         ]
-        size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
         results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             process_units,  # Ray Data runs a task again if its worker dies (max_retries=-1)
             fn_args=(run, *args),
@@ -336,17 +337,29 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         options.preserve_order = saved[1]
 
 
-TASK_CHUNKS = 4 * THREADS  # a task's chunks: few tasks to schedule, few ends where threads drain
+TASK_CHUNKS = 4 * THREADS  # the fewest chunks of a task (but the last): each is a round trip
+MAX_TASK_CHUNKS = 64  # the most, unless a unit has more (a file that is read from its start)
 
 
-def _joined(units: Iterator[list[ChunkPlan]]) -> Iterator[list[ChunkPlan]]:
-    """Consecutive units joined until each has TASK_CHUNKS plans (a seekable file makes a unit
-    per chunk), so that tasks are few (each is a Ray Data round trip); plans stay in order,
-    read by one reader, as a unit's are."""
+def task_chunks(chunks: int, slots: int) -> int:
+    """Chunks per task: the input shared evenly by the tasks that run at once (`slots`), so
+    that a small input is one task per slot. Each task's end costs a drain (its last chunk
+    runs on one thread while the other waits for the next task: 0.4 s on one core, seen at
+    3,000 records in tasks of 8) and a start. At most MAX_TASK_CHUNKS: a task that Ray runs
+    again after its worker died does all its chunks again, and a later task's output waits
+    in the object store until the earlier tasks' have been handed on, in chunk order."""
+    tasks = slots * -(-chunks // (slots * MAX_TASK_CHUNKS))
+    return max(TASK_CHUNKS, -(-chunks // tasks))
+
+
+def _joined(units: list[list[ChunkPlan]], per_task: int) -> Iterator[list[ChunkPlan]]:
+    """Consecutive units joined until each has `per_task` plans (a seekable file makes a unit
+    per chunk), so that tasks are few (`task_chunks`); plans stay in order, read by one
+    reader, as a unit's are."""
     joined: list[ChunkPlan] = []
     for unit in units:
         joined += unit
-        if len(joined) >= TASK_CHUNKS:
+        if len(joined) >= per_task:
             yield joined
             joined = []
     if joined:
