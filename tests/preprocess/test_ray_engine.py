@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill.preprocess import ray_results, ray_writer
+from tokenmill.preprocess import ray_engine, ray_results, ray_writer
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
@@ -116,10 +116,31 @@ def ray_address():
     ray.shutdown()
 
 
+@pytest.fixture
+def write_tasks(monkeypatch):
+    """The shards written by Ray tasks, as on a cluster of several nodes (this one has one, where
+    the driver writes them: `ray_engine.one_node`)."""
+    monkeypatch.setattr(ray_engine, "one_node", lambda ray: False)
+
+
+def test_on_one_node_the_driver_writes_the_rows_as_they_come(ray_address):
+    engine = ray_engine.RayEngine(workers=2, address=None)
+    with engine.session():
+        assert engine.rows_here
+        writer = engine.writer(Path("unused"), {"input_ids": "int32"}, "input_ids", 10, "bin", 0)
+        assert type(writer).__name__ == "ShardWriter"
+
+
 @pytest.mark.parametrize(
-    ("train_type", "workers"), [("seq", 2), ("instruction", 1), ("sft", 2), ("dpo", 2), ("grpo", 1)]
-)
-def test_every_training_type_matches_the_local_engine(tmp_path, ray_address, train_type, workers):
+    ("train_type", "workers", "writes"),
+    [("seq", 2, "driver"), ("seq", 2, "tasks"), ("instruction", 1, "tasks"), ("sft", 2, "driver"),
+     ("dpo", 2, "tasks"), ("grpo", 1, "driver"), ("grpo", 1, "tasks")],
+)  # fmt: skip
+def test_every_training_type_matches_the_local_engine(
+    tmp_path, ray_address, monkeypatch, train_type, workers, writes
+):
+    """Each type on both write paths: the driver's ShardWriter (one node), Ray write tasks."""
+    monkeypatch.setattr(ray_engine, "one_node", lambda ray: writes == "driver")
     src = head(DATA / TYPES[train_type], tmp_path / TYPES[train_type], 40)
     cfg = config(train_type)
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
@@ -275,7 +296,9 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
     assert read_manifest(tmp_path / "ray")["summary"]["records_read"] == 40
 
 
-def test_a_killed_shard_write_is_retried_and_leaves_no_orphan(tmp_path, ray_address, monkeypatch):
+def test_a_killed_shard_write_is_retried_and_leaves_no_orphan(
+    tmp_path, ray_address, monkeypatch, write_tasks
+):
     src = head(DATA / "pretrain_c4_300.jsonl", tmp_path / "c4.jsonl", 40)
     marker = tmp_path / "crashed-once"
     write_rows = ray_writer.write_rows
@@ -385,7 +408,7 @@ def test_a_block_is_handed_on_before_the_next_one_comes(ray_address):
         yield "block 0", ray.put(metas)
         raise AssertionError("block 1 was asked for before block 0's chunks were handed on")
 
-    results = ray_results._in_order(ray, blocks(), 0, 4)
+    results = ray_results._in_order(ray, blocks(), 0, 4, rows_here=False)
     first, second = next(results), next(results)
     assert [first.index, second.index] == [0, 1]
     assert first.rows[0][1] == ray_writer.RowRef("block 0", 0, 0, 5)

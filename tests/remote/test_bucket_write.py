@@ -227,9 +227,17 @@ def ray_session():
 
 
 @pytest.mark.slow  # Ray
-def test_the_ray_engine_writes_the_same_bytes_to_the_bucket(tmp_path, bucket, options, ray_session):
+@pytest.mark.parametrize("writes", ["driver", "tasks"])
+def test_the_ray_engine_writes_the_same_bytes_to_the_bucket(
+    tmp_path, bucket, options, ray_session, monkeypatch, writes
+):
+    """On one node the driver writes (and BucketOutput uploads, as for the local engine); on a
+    cluster, the write tasks upload their shards themselves."""
+    from tokenmill.preprocess import ray_engine
+
+    monkeypatch.setattr(ray_engine, "one_node", lambda ray: writes == "driver")
     src, cfg, local = local_run(tmp_path)
-    url = f"s3://{bucket}/ray"
+    url = f"s3://{bucket}/ray-{writes}"
     Pipeline(cfg, [src], url, QWEN, workers=1, on_error="skip", engine="ray", progress=False,
              storage_options=options, staging_dir=tmp_path / "staging").run()  # fmt: skip
     got = download(url, options, tmp_path / "got")

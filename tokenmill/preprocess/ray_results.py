@@ -2,7 +2,7 @@
 task that masks and packs work units, the driver's head start while Ray Data starts the first
 task (that task's chunks are claimed one by one, by the driver or the task, whichever comes
 first), and each chunk's counts back on the driver in chunk order, its rows left in the object
-store."""
+store (or, on a cluster of one node, the driver's, read in place: `rows_here`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from tokenmill.preprocess.plans import (
     scan_file,
     work_units,
 )
-from tokenmill.preprocess.ray_writer import RowRef
+from tokenmill.preprocess.ray_writer import RowRef, block_rows
 from tokenmill.preprocess.tokenizer import tokenizer_threads_off
 
 _RUN: str | None = None  # the run this worker process is set up for (`setup_worker`)
@@ -108,10 +108,13 @@ def ray_results(
     args: tuple[dict, str],
     workers: int | None,
     first_chunk: int = 0,
+    rows_here: bool = False,
 ) -> Generator[ChunkResult, None, None]:
     """ChunkResults of `files` from chunk `first_chunk` on, in chunk order, computed on Ray;
     `args` = (config data, tokenizer path), as `setup_worker` takes them. Each result's rows are
-    RowRefs: the rows stay in the object store until a RayShardWriter writes them."""
+    RowRefs: the rows stay in the object store until a RayShardWriter writes them; with
+    `rows_here` (every block is on the driver's node) the rows themselves, read in place, for
+    the local ShardWriter to write as they come."""
     config = PipelineConfig.from_dict(args[0])
     pre = config.preprocessing
     with _data_context(ray):
@@ -139,13 +142,15 @@ def ray_results(
             compute=ray.data.TaskPoolStrategy(size=size),
             num_cpus=cpus,
         )
-        blocks, close = _pulled(lambda: _with_metas(ray, results.iter_internal_ref_bundles()))
+        bundles = results.iter_internal_ref_bundles
+        blocks, close = _pulled(lambda: _with_metas(ray, bundles(), rows_here))
         try:
             first = first_chunk
-            for result in _on_driver(ray, units[0] if claims else [], args, claims):
+            for result in _on_driver(ray, units[0] if claims else [], args, claims, rows_here):
                 first += 1
                 yield result
-            yield from _in_order(ray, blocks, first, first_chunk + sum(map(len, units)))
+            end = first_chunk + sum(map(len, units))
+            yield from _in_order(ray, blocks, first, end, rows_here)
         finally:  # a closed run: Ray Data stops its tasks, before the session may end
             close()
             if claims and ray.is_initialized():  # a lost connection keeps the run's own error
@@ -229,14 +234,14 @@ def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable
 
 
 def _on_driver(
-    ray: ModuleType, unit: list[ChunkPlan], args: tuple[dict, str], claims: str
+    ray: ModuleType, unit: list[ChunkPlan], args: tuple[dict, str], claims: str, rows_here: bool
 ) -> Iterator[ChunkResult]:
     """The first task's chunks processed on the driver while Ray Data starts that task (a
     worker's first task of a run also loads the tokenizer), on DRIVER_THREADS threads, each
     chunk claimed as it is read; the first that the task has claimed (it has started, and
     took the rest of its chunks at once) ends it, so the chunks done here are a prefix. The
     same code as a task's; each chunk's rows are put in the object store, where a write task
-    finds them."""
+    finds them (unless `rows_here`: they stay on the driver, which writes them)."""
     if not unit:
         return
     reader = FileRangeReader()
@@ -245,22 +250,30 @@ def _on_driver(
         chunks = (read_chunk(plan, reader) for plan in ours)
         # claimed as a thread comes free, not ahead: the task may take the next one
         for result in process_here(chunks, DRIVER_THREADS, args, ahead=DRIVER_THREADS):
+            if rows_here:
+                yield result
+                continue
             rows = ray.put([ChunkRows([row for _, row in result.rows])])
             yield _referred(result, rows, 0)
     finally:
         reader.close()
 
 
-def _with_metas(ray: ModuleType, bundles: Iterator[Any]) -> Iterator[tuple[Any, Any]]:
+def _with_metas(
+    ray: ModuleType, bundles: Iterator[Any], rows_here: bool
+) -> Iterator[tuple[Any, Any]]:
     """Each block of Ray Data's ref bundles (the tasks start with the first pull) and its counts:
-    on this node the block itself (the object store maps it, and only the `meta` column is
-    decoded); elsewhere, or if unknown, a task there, started as the block comes in, on the
-    pull thread, so that it runs before the driver asks for it."""
+    on this node (always, with `rows_here`) the block itself (the object store maps it, and only
+    the columns used are decoded); elsewhere, or if unknown, a task there, started as the block
+    comes in, on the pull thread, so that it runs before the driver asks for it."""
     here = ray.get_runtime_context().get_node_id()
     remote_metas = ray.remote(num_cpus=0)(_block_metas)
     try:
         for bundle in bundles:
             for block in bundle.block_refs:
+                if rows_here:
+                    yield block, block
+                    continue
                 try:
                     where = ray.experimental.get_object_locations([block])[block]["node_ids"]
                 except (AttributeError, KeyError):  # Ray Client drivers have no object directory
@@ -271,21 +284,29 @@ def _with_metas(ray: ModuleType, bundles: Iterator[Any]) -> Iterator[tuple[Any, 
 
 
 def _in_order(
-    ray: ModuleType, blocks: Iterator[tuple[Any, Any]], first: int, end: int
+    ray: ModuleType, blocks: Iterator[tuple[Any, Any]], first: int, end: int, rows_here: bool
 ) -> Iterator[ChunkResult]:
     """The counts of chunks first..end-1 (each block with its counts, `_with_metas`), checked
-    to come once each and in order, their rows as RowRefs. A block is handed on as soon as it
-    comes: none waits for later ones."""
+    to come once each and in order, their rows as RowRefs (with `rows_here`: the rows, read
+    from the block in place). A block is handed on as soon as it comes: none waits for later
+    ones."""
     expected = first
     for block, future in blocks:
         got = ray.get(future)
-        for row, index, meta in got if isinstance(got, list) else _block_metas(got):
+        metas = got if isinstance(got, list) else _block_metas(got)
+        chunk_rows = block_rows(got) if rows_here and metas else None
+        for row, index, meta in metas:
             if index < expected:  # a block that Ray Data handed over again, in slices
                 continue
             if index != expected:
                 raise RuntimeError(f"Ray returned chunk {index} where chunk {expected} was due")
             expected += 1
-            yield _referred(meta, block, row)
+            if chunk_rows is None:
+                yield _referred(meta, block, row)
+                continue
+            rows = chunk_rows[row].rows
+            meta.rows = [(domain, r) for (domain, _), r in zip(meta.rows, rows, strict=True)]
+            yield meta
     if expected != end:
         raise RuntimeError(f"Ray Data ended after chunk {expected - 1} of {first}..{end - 1}")
 
@@ -324,6 +345,7 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         "enable_progress_bars": False,
         "print_on_execution_start": False,
         "enable_fallback_to_arrow_object_ext_type": True,
+        "target_max_block_size": 1,  # a block per chunk, handed on as soon as it is done
     }
     saved = {name: getattr(context, name) for name in wanted}, options.preserve_order
     for name, value in wanted.items():

@@ -53,12 +53,8 @@ def write_rows(
     """A Ray task: gathers shard `index`'s rows from the blocks that hold them and stages it
     with the local ShardWriter (temp place, fsynced, checksummed); the driver publishes it.
     With `upload`, the task uploads the staged shard (meta.json last) and removes it."""
-    from ray.data.block import BlockAccessor
-
     # a Ray Data block's `rows` column, or the list the driver put for the chunks it processed
-    chunks = [
-        b if isinstance(b, list) else BlockAccessor.for_block(b).to_numpy("rows") for b in blocks
-    ]
+    chunks = [b if isinstance(b, list) else block_rows(b) for b in blocks]
     writer = ShardWriter(Path(domain_dir), dtypes, primary_key, _NO_CUT, storage_format, index)
     for b, row, item in where:
         writer.add(chunks[b][row].rows[item])
@@ -71,6 +67,13 @@ def write_rows(
     finally:
         shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink(missing_ok=True)
     return None, info
+
+
+def block_rows(block: Any) -> Any:
+    """The `rows` column of a Ray Data block: a ChunkRows per chunk, in an object array."""
+    from ray.data.block import BlockAccessor
+
+    return BlockAccessor.for_block(block).to_numpy("rows")
 
 
 _NO_CUT = 1 << 62  # a write task stages exactly the rows it is given: the driver made the cut
