@@ -155,3 +155,19 @@ def test_scan_places_every_record_of_a_compressed_file(tmp_path):
     starts = [0] + [i + 1 for i, b in enumerate(raw) if b == ord("\n")][:-1]
     assert scan.offsets.tolist() == starts[:7]
     assert [(before, err.reason, err.line) for before, err in scan.errors] == [(7, "not_object", 8)]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "slots", "expected"),
+    [(12, 1, 12), (32, 1, 32), (94, 1, 47), (94, 2, 47), (12, 4, 8), (300, 2, 50), (1000, 1, 63)],
+)
+def test_a_small_input_is_one_task_per_slot_a_large_one_tasks_of_at_most_the_cap(
+    chunks, slots, expected
+):
+    """Each task's end lets a thread drain, so tasks are as few as the slots allow; the cap
+    bounds what a retried task redoes; a task has at least TASK_CHUNKS (but the last)."""
+    per_task = plans.task_chunks(chunks, slots)
+    assert per_task == expected
+    assert plans.TASK_CHUNKS <= per_task <= plans.MAX_TASK_CHUNKS
+    if chunks <= slots * plans.MAX_TASK_CHUNKS:
+        assert -(-chunks // per_task) <= slots

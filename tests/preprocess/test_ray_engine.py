@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill.preprocess import ray_engine, ray_results, ray_writer
+from tokenmill.preprocess import plans, ray_engine, ray_results, ray_writer
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
@@ -79,22 +79,6 @@ def test_the_task_pool_always_leaves_a_cpu_for_the_shard_writes(cpus, workers, e
     assert cpus - size * share >= min(1.0, cpus / 2) - 1e-9
     with pytest.raises(ValueError, match="workers=300 is more than a Ray cluster of 2 CPUs"):
         ray_results.pool_size(2, 300)
-
-
-@pytest.mark.parametrize(
-    ("chunks", "slots", "expected"),
-    [(12, 1, 12), (32, 1, 32), (94, 1, 47), (94, 2, 47), (12, 4, 8), (300, 2, 50), (1000, 1, 63)],
-)
-def test_a_small_input_is_one_task_per_slot_a_large_one_tasks_of_at_most_the_cap(
-    chunks, slots, expected
-):
-    """Each task's end lets a thread drain, so tasks are as few as the slots allow; the cap
-    bounds what a retried task redoes; a task has at least TASK_CHUNKS (but the last)."""
-    per_task = ray_results.task_chunks(chunks, slots)
-    assert per_task == expected
-    assert ray_results.TASK_CHUNKS <= per_task <= ray_results.MAX_TASK_CHUNKS
-    if chunks <= slots * ray_results.MAX_TASK_CHUNKS:
-        assert -(-chunks // per_task) <= slots
 
 
 def test_without_ray_the_message_says_how_to_install(tmp_path, monkeypatch):
@@ -194,14 +178,14 @@ def test_the_driver_works_the_first_task_until_the_pool_claims_a_chunk(
     it back), the driver takes that task's chunks one by one, claiming each; the task finds
     them all claimed and yields nothing; the pool's other tasks take the rest. The output is
     the local engine's."""
-    monkeypatch.setattr(ray_results, "MAX_TASK_CHUNKS", ray_results.TASK_CHUNKS)
+    monkeypatch.setattr(plans, "MAX_TASK_CHUNKS", plans.TASK_CHUNKS)
     src = head(DATA / TYPES[train_type], tmp_path / TYPES[train_type], 40)
     pool, driver, _ = noted_runs(tmp_path, monkeypatch, pool_waits=True)
     cfg = config(train_type, batch_size=2)
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
-    assert indices(driver) == list(range(ray_results.TASK_CHUNKS))
-    assert indices(pool) == list(range(ray_results.TASK_CHUNKS, 20))
+    assert indices(driver) == list(range(plans.TASK_CHUNKS))
+    assert indices(pool) == list(range(plans.TASK_CHUNKS, 20))
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
     kv = ray_results._claims_kv()
     assert kv._internal_kv_list("tokenmill-", namespace=ray_results._CLAIMS) == []  # deleted
@@ -277,7 +261,7 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
     marker = tmp_path / "crashed-once"
 
     process_units = ray_results.process_units
-    crash_at = ray_results.TASK_CHUNKS + 1  # the second chunk of the second task: no driver's
+    crash_at = plans.TASK_CHUNKS + 1  # the second chunk of the second task: no driver's
 
     def crash_once(batch, *args):  # defined here, so Ray ships it by value to its workers
         for out in process_units(batch, *args):
@@ -287,7 +271,7 @@ def test_a_killed_worker_is_replaced_and_no_record_is_lost_or_doubled(
             yield out
 
     monkeypatch.setattr(ray_results, "process_units", crash_once)
-    monkeypatch.setattr(ray_results, "MAX_TASK_CHUNKS", ray_results.TASK_CHUNKS)
+    monkeypatch.setattr(plans, "MAX_TASK_CHUNKS", plans.TASK_CHUNKS)
     cfg = config("seq", batch_size=2)  # 20 chunks, in tasks of 8, 8 and 4
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=1, on_error="skip", engine="ray").run()
     assert marker.exists()

@@ -2,7 +2,8 @@
 
 The Ray engine's first half, with no Ray in it: `scan_file` places one file's records,
 `plan_chunks` cuts the chunks `iter_chunks` would cut, `work_units` groups them so that an
-unseekable file is read in one pass, and `read_chunk` reads a plan back into its Chunk.
+unseekable file is read in one pass, `joined` groups units into tasks (`task_chunks`), and
+`read_chunk` reads a plan back into its Chunk.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chunks import Chunk
+from tokenmill.preprocess.chunks import THREADS, Chunk
 from tokenmill.preprocess.inputs import input_suffix, open_bytes, open_parquet
 from tokenmill.preprocess.records import (
     PARQUET_BATCH_ROWS,
@@ -149,6 +150,35 @@ def work_units(plans: Iterable[ChunkPlan]) -> Iterator[list[ChunkPlan]]:
         unit.append(plan)
     if unit:
         yield unit
+
+
+TASK_CHUNKS = 4 * THREADS  # the fewest chunks of a task (but the last): each is a round trip
+MAX_TASK_CHUNKS = 64  # the most, unless a unit has more (a file that is read from its start)
+
+
+def task_chunks(chunks: int, slots: int) -> int:
+    """Chunks per task: the input shared evenly by the tasks that run at once (`slots`), so
+    that a small input is one task per slot. Each task's end costs a drain (its last chunk
+    runs on one thread while the other waits for the next task: 0.4 s on one core, seen at
+    3,000 records in tasks of 8) and a start. At most MAX_TASK_CHUNKS: a task that Ray runs
+    again after its worker died does all its chunks again, and a later task's output waits
+    in the object store until the earlier tasks' have been handed on, in chunk order."""
+    tasks = slots * -(-chunks // (slots * MAX_TASK_CHUNKS))
+    return max(TASK_CHUNKS, -(-chunks // tasks))
+
+
+def joined(units: list[list[ChunkPlan]], per_task: int) -> Iterator[list[ChunkPlan]]:
+    """Consecutive units joined until each has `per_task` plans (a seekable file makes a unit
+    per chunk), so that tasks are few (`task_chunks`); plans stay in order, read by one
+    reader, as a unit's are."""
+    task: list[ChunkPlan] = []
+    for unit in units:
+        task += unit
+        if len(task) >= per_task:
+            yield task
+            task = []
+    if task:
+        yield task
 
 
 class FileRangeReader:

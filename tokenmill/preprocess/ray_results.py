@@ -32,9 +32,11 @@ from tokenmill.preprocess.plans import (
     ChunkPlan,
     FileRangeReader,
     FileScan,
+    joined,
     plan_chunks,
     read_chunk,
     scan_file,
+    task_chunks,
     work_units,
 )
 from tokenmill.preprocess.ray_writer import RowRef, block_rows
@@ -65,7 +67,7 @@ def process_units(
                     unit = [plan for plan in unit if _claim(claims, plan.index, "pool")]
                 chunks = (read_chunk(plan, reader) for plan in unit)
                 for plan, result in zip(unit, process_stream(chunks), strict=True):
-                    rows = ChunkRows([row for _, row in result.rows])
+                    rows = ChunkRows.of(result)
                     result.rows = [(domain, None) for domain, _ in result.rows]
                     yield {
                         "index": np.array([plan.index]),
@@ -82,6 +84,10 @@ class ChunkRows:
     a list of arrays (GRPO groups) would come back as an object array."""
 
     rows: list[dict]
+
+    @classmethod
+    def of(cls, result: ChunkResult) -> ChunkRows:
+        return cls([row for _, row in result.rows])
 
 
 def _objects(values: list) -> np.ndarray:
@@ -127,7 +133,7 @@ def ray_results(
         if not units:
             return
         size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
-        units = list(_joined(units, task_chunks(sum(map(len, units)), size)))
+        units = list(joined(units, task_chunks(sum(map(len, units)), size)))
         run = uuid.uuid4().hex
         claims = f"tokenmill-{run}-chunk-" if DRIVER_THREADS else ""
         items = [
@@ -253,7 +259,7 @@ def _on_driver(
             if rows_here:
                 yield result
                 continue
-            rows = ray.put([ChunkRows([row for _, row in result.rows])])
+            rows = ray.put([ChunkRows.of(result)])
             yield _referred(result, rows, 0)
     finally:
         reader.close()
@@ -357,35 +363,6 @@ def _data_context(ray: ModuleType) -> Iterator[None]:
         for name, value in saved[0].items():
             setattr(context, name, value)
         options.preserve_order = saved[1]
-
-
-TASK_CHUNKS = 4 * THREADS  # the fewest chunks of a task (but the last): each is a round trip
-MAX_TASK_CHUNKS = 64  # the most, unless a unit has more (a file that is read from its start)
-
-
-def task_chunks(chunks: int, slots: int) -> int:
-    """Chunks per task: the input shared evenly by the tasks that run at once (`slots`), so
-    that a small input is one task per slot. Each task's end costs a drain (its last chunk
-    runs on one thread while the other waits for the next task: 0.4 s on one core, seen at
-    3,000 records in tasks of 8) and a start. At most MAX_TASK_CHUNKS: a task that Ray runs
-    again after its worker died does all its chunks again, and a later task's output waits
-    in the object store until the earlier tasks' have been handed on, in chunk order."""
-    tasks = slots * -(-chunks // (slots * MAX_TASK_CHUNKS))
-    return max(TASK_CHUNKS, -(-chunks // tasks))
-
-
-def _joined(units: list[list[ChunkPlan]], per_task: int) -> Iterator[list[ChunkPlan]]:
-    """Consecutive units joined until each has `per_task` plans (a seekable file makes a unit
-    per chunk), so that tasks are few (`task_chunks`); plans stay in order, read by one
-    reader, as a unit's are."""
-    joined: list[ChunkPlan] = []
-    for unit in units:
-        joined += unit
-        if len(joined) >= per_task:
-            yield joined
-            joined = []
-    if joined:
-        yield joined
 
 
 def pool_size(cpus: float, workers: int | None) -> tuple[int, float]:
