@@ -7,6 +7,8 @@ the 1,000-record sample; 8 is about 10M tokens, bench_preprocess's size; 24 abou
 its own row.
 Prints records/s and tokens/s, medians of `repeats` interleaved rounds, and per size the
 Ray/local ratio: the median of the in-round ratios (a busy moment hits both engines alike).
+The engines take turns going first (local first in even rounds), so that neither always runs
+after the other (the host's speed drifts: a 24,000-record run took 27 s and, later, 51 s).
 Run: python benchmarks/bench_ray.py [--copies 3 8 24] [--repeats 3] [--workers 2] [--ray-address ADDR]
 """
 
@@ -47,7 +49,7 @@ def main(
             with tempfile.TemporaryDirectory() as tmp:
                 path = corpus(size, Path(tmp))
                 for i in range(repeats):
-                    for engine in rates:
+                    for engine in ("local", "ray") if i % 2 == 0 else ("ray", "local"):
                         seconds, records, tokens = run(
                             path, Path(tmp) / f"{engine}{i}", workers, engine
                         )
