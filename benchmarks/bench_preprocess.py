@@ -10,7 +10,7 @@ measurement starts with an empty word cache, as a fresh process does. Each corpu
 sample file to at least `tokens` tokens, so that a run is long enough to time (and every word
 is cached after the first copy: real data, which does not repeat, gains less from the larger
 cache); so each type is also measured on one copy of its sample, no record twice (about a
-tenth of the tokens, so noisier), which shows what the repeats flatter. Prints medians and
+tenth of the tokens, so noisier), which shows whether the repeats flatter the ratios. Prints medians and
 each type's ratios (medians of per-repeat ratios); the goal is >= 0.9x of the plain floor.
 Run: python benchmarks/bench_preprocess.py [--tokens 10000000] [--repeats 5] [--workers N]
 """

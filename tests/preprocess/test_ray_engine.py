@@ -21,6 +21,7 @@ from tokenmill.preprocess.presets import default_config
 from tokenmill.preprocess.records import RecordError
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards
+from tokenmill.shards.writer import ShardWriter
 
 pytestmark = pytest.mark.slow  # Ray
 
@@ -112,7 +113,7 @@ def test_on_one_node_the_driver_writes_the_rows_as_they_come(ray_address):
     with engine.session():
         assert engine.rows_here
         writer = engine.writer(Path("unused"), {"input_ids": "int32"}, "input_ids", 10, "bin", 0)
-        assert type(writer).__name__ == "ShardWriter"
+        assert isinstance(writer, ShardWriter)
 
 
 @pytest.mark.parametrize(
