@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill.preprocess import plans, ray_engine, ray_results, ray_writer
+from tokenmill.preprocess import plans, ray_engine, ray_head_start, ray_results, ray_writer
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
@@ -143,7 +144,7 @@ def noted_runs(tmp_path: Path, monkeypatch, pool_waits: bool) -> tuple[Path, Pat
     pool, driver, driver_done = tmp_path / "pool", tmp_path / "driver", tmp_path / "driver-done"
     pool.mkdir()
     driver.mkdir()
-    process_units, on_driver = ray_results.process_units, ray_results._on_driver
+    process_units, on_driver = ray_results.process_units, ray_results.head_start
 
     def noting(batch, *args):  # defined here, so Ray ships it by value to its workers
         deadline = time.time() + 60
@@ -163,7 +164,7 @@ def noted_runs(tmp_path: Path, monkeypatch, pool_waits: bool) -> tuple[Path, Pat
         driver_done.touch()
 
     monkeypatch.setattr(ray_results, "process_units", noting)
-    monkeypatch.setattr(ray_results, "_on_driver", driver_noting)
+    monkeypatch.setattr(ray_results, "head_start", driver_noting)
     return pool, driver, driver_done
 
 
@@ -188,8 +189,8 @@ def test_the_driver_works_the_first_task_until_the_pool_claims_a_chunk(
     assert indices(driver) == list(range(plans.TASK_CHUNKS))
     assert indices(pool) == list(range(plans.TASK_CHUNKS, 20))
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
-    kv = ray_results._claims_kv()
-    assert kv._internal_kv_list("tokenmill-", namespace=ray_results._CLAIMS) == []  # deleted
+    kv = ray_head_start.claims_kv()
+    assert kv._internal_kv_list("tokenmill-", namespace=ray_head_start.CLAIMS) == []  # deleted
 
 
 def test_a_chunk_the_pool_claimed_first_is_left_to_it(tmp_path, ray_address, monkeypatch):
@@ -206,16 +207,62 @@ def test_a_chunk_the_pool_claimed_first_is_left_to_it(tmp_path, ray_address, mon
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
 
 
+def scan_after_chunk_0(monkeypatch, before_scan=lambda: None) -> list[bool]:
+    """The scan (on the driver's pull thread) held back until the driver's head start has done
+    chunk 0, then `before_scan()`; the list notes whether chunk 0 came first (False: the scan
+    waited 60 s for it in vain)."""
+    done, seen = threading.Event(), []
+    head_start, scans = ray_results.head_start, ray_results._scans
+
+    def noting(*args):
+        for result in head_start(*args):
+            done.set()
+            yield result
+
+    def held(*args):
+        seen.append(done.wait(60))
+        before_scan()
+        yield from scans(*args)
+
+    monkeypatch.setattr(ray_results, "head_start", noting)
+    monkeypatch.setattr(ray_results, "_scans", held)
+    return seen
+
+
+def test_the_driver_works_chunk_0_before_the_scan_is_done(tmp_path, ray_address, monkeypatch):
+    """A run from its start does not wait for the scan: the driver reads chunk 0 as the local
+    engine does and works it while the scan runs; the output is the local engine's."""
+    src = head(DATA / TYPES["sft"], tmp_path / TYPES["sft"], 40)
+    seen = scan_after_chunk_0(monkeypatch)
+    cfg = config("sft", batch_size=2)
+    Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
+    Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
+    assert seen == [True]
+    assert_same_dataset(tmp_path / "ray", tmp_path / "local")
+
+
+def test_a_file_changed_before_its_scan_stops_the_run(tmp_path, ray_address, monkeypatch):
+    """Chunk 0, read before the scan, must be the chunk the scan plans: a line added at the
+    top after chunk 0 was read moves every record, and the run stops before any output."""
+    src = head(DATA / TYPES["sft"], tmp_path / TYPES["sft"], 40)
+    scan_after_chunk_0(monkeypatch, lambda: src.write_bytes(b"\n" + src.read_bytes()))
+    cfg = config("sft", batch_size=2)
+    out = tmp_path / "ray"
+    with pytest.raises(RuntimeError, match="changed while it was scanned: chunk 0 differs"):
+        Pipeline(cfg, [src], out, QWEN, workers=2, on_error="skip", engine="ray").run()
+    assert find_shards(out) == [] and read_manifest(out) is None
+
+
 def test_a_claim_is_its_owners_again_and_no_one_elses(ray_address):
     """A task that Ray runs again (its worker died) claims its chunks again: they are still
     the pool's; a chunk the driver has is not."""
     claims = "tokenmill-test-claims-"
-    assert ray_results._claim(claims, 0, "driver") and ray_results._claim(claims, 0, "driver")
-    assert not ray_results._claim(claims, 0, "pool")
-    assert ray_results._claim(claims, 1, "pool") and ray_results._claim(claims, 1, "pool")
-    assert not ray_results._claim(claims, 1, "driver")
-    ray_results._claims_kv()._internal_kv_del(
-        claims, del_by_prefix=True, namespace=ray_results._CLAIMS
+    assert ray_head_start.claim(claims, 0, "driver") and ray_head_start.claim(claims, 0, "driver")
+    assert not ray_head_start.claim(claims, 0, "pool")
+    assert ray_head_start.claim(claims, 1, "pool") and ray_head_start.claim(claims, 1, "pool")
+    assert not ray_head_start.claim(claims, 1, "driver")
+    ray_head_start.claims_kv()._internal_kv_del(
+        claims, del_by_prefix=True, namespace=ray_head_start.CLAIMS
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +69,7 @@ class ChunkResult:
 
 def iter_chunks(
     files: Sequence[InputPath], config: PipelineConfig, collect_errors: bool
-) -> Iterator[Chunk]:
+) -> Generator[Chunk, None, None]:
     """Records of all files in order, cut into chunks; read errors travel with their chunk."""
     size = config.preprocessing.batch_size
     limit = config.preprocessing.max_items

@@ -5,8 +5,8 @@ Used by `Pipeline(engine="ray")` in place of the local engine's threads:
    errors, so that the driver cuts the same chunks as `iter_chunks` (`plans.plan_chunks`);
 2. process (Ray Data `map_batches` tasks, in Ray's worker processes, each of which loads the
    tokenizer once): `process_chunk`, the local engine's own function, on THREADS threads; the
-   driver works the first task's chunks while that task starts (`ray_results._on_driver`);
-   the rows stay in the object store and only each chunk's counts reach the driver, in chunk
+   driver works the first task's chunks from the run's start, while the scan runs and that
+   task starts (`ray_head_start.head_start`); the rows stay in the object store and only each chunk's counts reach the driver, in chunk
    order;
 3. write: on a cluster of one node the driver writes each chunk's rows as it comes, read in
    place from its object store, with the local ShardWriter (`one_node`); else (Ray tasks) the
@@ -15,7 +15,8 @@ Used by `Pipeline(engine="ray")` in place of the local engine's threads:
    the task uploads its shard, meta.json last, after the driver has uploaded the journal
    lines that account for its rows).
 Same chunks, same code, same cut: the output equals the local engine's byte for byte.
-Steps 1 and 2 are in ray_results.py, step 3 in ray_writer.py.
+Steps 1 and 2 are in ray_results.py (the head start in ray_head_start.py), step 3 in
+ray_writer.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The Ray engine's scan and process steps (ray_engine.py has the whole flow): the Ray Data
-task that masks and packs work units, the driver's head start while Ray Data starts the first
-task (that task's chunks are claimed one by one, by the driver or the task, whichever comes
-first), and each chunk's counts back on the driver in chunk order, its rows left in the object
-store (or, on a cluster of one node, the driver's, read in place: `rows_here`)."""
+"""The Ray engine's scan and process steps (ray_engine.py has the whole flow): the scan and the
+Ray Data tasks that mask and pack work units, on a thread of the driver while the driver's head
+start works the first task's chunks (ray_head_start.py), and each chunk's counts back on the
+driver in chunk order, its rows left in the object store (or, on a cluster of one node, the
+driver's, read in place: `rows_here`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import threading
 import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import takewhile
 from types import ModuleType
 from typing import Any
 
@@ -22,7 +21,6 @@ import numpy as np
 from tokenmill.preprocess.chunks import (
     THREADS,
     ChunkResult,
-    process_here,
     process_stream,
     setup_worker,
 )
@@ -39,6 +37,7 @@ from tokenmill.preprocess.plans import (
     task_chunks,
     work_units,
 )
+from tokenmill.preprocess.ray_head_start import CLAIMS, DRIVER_THREADS, claim, claims_kv, head_start
 from tokenmill.preprocess.ray_writer import RowRef, block_rows
 from tokenmill.preprocess.tokenizer import tokenizer_threads_off
 
@@ -64,7 +63,7 @@ def process_units(
         with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
             for unit, claims in zip(batch["unit"], batch["claims"], strict=True):
                 if claims:  # the first task: the chunks the driver has not taken, all at once
-                    unit = [plan for plan in unit if _claim(claims, plan.index, "pool")]
+                    unit = [plan for plan in unit if claim(claims, plan.index, "pool")]
                 chunks = (read_chunk(plan, reader) for plan in unit)
                 for plan, result in zip(unit, process_stream(chunks), strict=True):
                     rows = ChunkRows.of(result)
@@ -122,76 +121,83 @@ def ray_results(
     `rows_here` (every block is on the driver's node) the rows themselves, read in place, for
     the local ShardWriter to write as they come."""
     config = PipelineConfig.from_dict(args[0])
-    pre = config.preprocessing
+    run = uuid.uuid4().hex
+    claims = f"tokenmill-{run}-chunk-" if DRIVER_THREADS else ""
     with _data_context(ray):
-        plans = (
-            p
-            for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
-            if p.index >= first_chunk
-        )
-        units = list(work_units(plans))
-        if not units:
-            return
-        size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
-        units = list(joined(units, task_chunks(sum(map(len, units)), size)))
-        run = uuid.uuid4().hex
-        claims = f"tokenmill-{run}-chunk-" if DRIVER_THREADS else ""
-        items = [
-            {"first": unit[0].index, "unit": unit, "claims": claims if i == 0 else ""}
-            for i, unit in enumerate(units)
-        ]
-        results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            process_units,  # Ray Data runs a task again if its worker dies (max_retries=-1)
-            fn_args=(run, *args),
-            batch_size=1,
-            batch_format="numpy",
-            compute=ray.data.TaskPoolStrategy(size=size),
-            num_cpus=cpus,
-        )
-        bundles = results.iter_internal_ref_bundles
-        blocks, close = _pulled(lambda: _with_metas(ray, bundles(), rows_here))
+        # the pull thread scans, then starts the tasks; the driver's head start begins at once
+        tasks = _tasks(ray, files, config, args, workers, first_chunk, run, claims, rows_here)
+        blocks, close = _pulled(lambda: tasks)
+        units: list[list[ChunkPlan]] | None = None
+
+        def planned() -> list[list[ChunkPlan]]:
+            """The tasks' units: the pull thread's first item, once the scan is done."""
+            nonlocal units
+            if units is None:
+                units = next(blocks)
+            return units
+
         try:
-            first = first_chunk
-            for result in _on_driver(ray, units[0] if claims else [], args, claims, rows_here):
-                first += 1
-                yield result
-            end = first_chunk + sum(map(len, units))
-            yield from _in_order(ray, blocks, first, end, rows_here)
+            head = (files, config) if first_chunk == 0 else None
+            done = first_chunk
+            for result in head_start(head, planned, args, claims):
+                done += 1  # the rows stay here, else go where a write task finds them
+                yield result if rows_here else _referred(result, ray.put([ChunkRows.of(result)]), 0)
+            end = first_chunk + sum(map(len, planned()))
+            yield from _in_order(ray, blocks, done, end, rows_here)
         finally:  # a closed run: Ray Data stops its tasks, before the session may end
             close()
             if claims and ray.is_initialized():  # a lost connection keeps the run's own error
-                _claims_kv()._internal_kv_del(claims, del_by_prefix=True, namespace=_CLAIMS)
+                claims_kv()._internal_kv_del(claims, del_by_prefix=True, namespace=CLAIMS)
 
 
-# Threads on which the driver works the first task's chunks while Ray Data starts that task:
-# one, so that the task's start (Ray Data's scheduling, the worker's tokenizer) keeps a core;
-# 0: none, the tasks take every chunk.
-DRIVER_THREADS = 1
+def _tasks(
+    ray: ModuleType,
+    files: Sequence[InputPath],
+    config: PipelineConfig,
+    args: tuple[dict, str],
+    workers: int | None,
+    first_chunk: int,
+    run: str,
+    claims: str,
+    rows_here: bool,
+) -> Iterator[Any]:
+    """Run on the pull thread: the scan (`_scans`), then the units of the tasks, yielded first,
+    then each block of the tasks' output with its counts (`_with_metas`)."""
+    pre = config.preprocessing
+    plans = (
+        p
+        for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
+        if p.index >= first_chunk
+    )
+    units = list(work_units(plans))
+    size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
+    if units:
+        units = list(joined(units, task_chunks(sum(map(len, units)), size)))
+    yield units
+    if not units:
+        return
+    items = [
+        {"first": unit[0].index, "unit": unit, "claims": claims if i == 0 else ""}
+        for i, unit in enumerate(units)
+    ]
+    results = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+        process_units,  # Ray Data runs a task again if its worker dies (max_retries=-1)
+        fn_args=(run, *args),
+        batch_size=1,
+        batch_format="numpy",
+        compute=ray.data.TaskPoolStrategy(size=size),
+        num_cpus=cpus,
+    )
+    yield from _with_metas(ray, results.iter_internal_ref_bundles(), rows_here)
+
+
 _END = object()
-_CLAIMS = "tokenmill"  # the namespace of the claims in Ray's key-value store
-
-
-def _claims_kv() -> ModuleType:
-    """Ray's internal key-value store (in the GCS, reached from the driver and every worker):
-    its put-if-absent is the claim. Internal to the pinned Ray, as Ray's own libraries use it."""
-    from ray.experimental import internal_kv
-
-    return internal_kv
-
-
-def _claim(claims: str, index: int, owner: str) -> bool:
-    """Whether chunk `index` is `owner`'s ("driver" or "pool"): taken now, or earlier by the
-    same owner (a task that Ray Data runs again after its worker died claims its chunks again)."""
-    kv, key = _claims_kv(), f"{claims}{index}"
-    if not kv._internal_kv_put(key, owner, overwrite=False, namespace=_CLAIMS):
-        return True  # the key was not there: taken now
-    return kv._internal_kv_get(key, namespace=_CLAIMS) == owner.encode()
 
 
 def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable[[], None]]:
     """The items of `start()`, pulled on a thread of the driver from now on (Ray Data's iterator
     only returns once the first task has output, a time that the driver spends on that task's
-    chunks, `_on_driver`), at most 2 ahead of the reader, so that Ray Data's backpressure
+    chunks, `head_start`), at most 2 ahead of the reader, so that Ray Data's backpressure
     still holds; and `close`, which stops the pull (and with it Ray Data's run) and waits for
     its thread, which may first wait for the first task's output."""
     items: queue.Queue = queue.Queue(maxsize=2)
@@ -237,32 +243,6 @@ def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable
         thread.join(timeout=60)
 
     return read(), close
-
-
-def _on_driver(
-    ray: ModuleType, unit: list[ChunkPlan], args: tuple[dict, str], claims: str, rows_here: bool
-) -> Iterator[ChunkResult]:
-    """The first task's chunks processed on the driver while Ray Data starts that task (a
-    worker's first task of a run also loads the tokenizer), on DRIVER_THREADS threads, each
-    chunk claimed as it is read; the first that the task has claimed (it has started, and
-    took the rest of its chunks at once) ends it, so the chunks done here are a prefix. The
-    same code as a task's; each chunk's rows are put in the object store, where a write task
-    finds them (unless `rows_here`: they stay on the driver, which writes them)."""
-    if not unit:
-        return
-    reader = FileRangeReader()
-    try:
-        ours = takewhile(lambda plan: _claim(claims, plan.index, "driver"), unit)
-        chunks = (read_chunk(plan, reader) for plan in ours)
-        # claimed as a thread comes free, not ahead: the task may take the next one
-        for result in process_here(chunks, DRIVER_THREADS, args, ahead=DRIVER_THREADS):
-            if rows_here:
-                yield result
-                continue
-            rows = ray.put([ChunkRows.of(result)])
-            yield _referred(result, rows, 0)
-    finally:
-        reader.close()
 
 
 def _with_metas(
