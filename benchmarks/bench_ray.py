@@ -1,15 +1,18 @@
 """Ray engine throughput next to the local engine, on the same machine, data and worker count.
 
 Both runs are the whole Pipeline (read, mask, pack, write shards) over chat SFT records; the
-Ray engine's time includes its scan pass and its tasks' start (Ray itself is started once,
-before timing), a fixed cost that a larger input amortises: so each size in `copies` (copies of
-the 1,000-record sample; 8 is about 10M tokens, bench_preprocess's size; 24 about 30M) gets
-its own row.
-Prints records/s and tokens/s, medians of `repeats` interleaved rounds, and per size the
-Ray/local ratio: the median of the in-round ratios (a busy moment hits both engines alike).
-The engines take turns going first (local first in even rounds), so that neither always runs
-after the other (the host's speed drifts: a 24,000-record run took 27 s and, later, 51 s).
-Run: python benchmarks/bench_ray.py [--copies 3 8 24] [--repeats 3] [--workers 2] [--ray-address ADDR]
+Ray engine's time includes its scan pass and its tasks' start, a fixed cost that a larger input
+amortises: so each size in `copies` (copies of the 1,000-record sample; 8 is about 10M tokens,
+bench_preprocess's size; 24 about 30M) gets its own row. Ray is started once, and each engine
+runs once, before timing (a Ray session's first run starts Ray's worker processes, and each
+engine's first run loads the tokenizer).
+Prints records/s and tokens/s, medians of `repeats` rounds, and per size the Ray/local ratio.
+The engines take turns going first (local first in even rounds), and the ratio is taken over
+each pair of rounds (local, Ray, Ray, local: both engines' tokens over both engines' seconds),
+then the median over the pairs: the host's speed drifts (a 24,000-record run took 27 s and,
+later, 51 s; the same chunk's CPU time moved by 1.5x within a minute), and a steady drift
+weighs on both sides of a pair alike, where it would tilt each round's own ratio.
+Run: python benchmarks/bench_ray.py [--copies 3 8 24] [--repeats 6] [--workers 2] [--ray-address ADDR]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from bench_preprocess import (  # the same corpus and end-to-end run as the loca
 
 def main(
     copies: int | tuple[int, ...] = (3, 8, 24),
-    repeats: int = 3,
+    repeats: int = 6,
     workers: int | None = None,
     ray_address: str | None = None,
 ) -> dict[str, float]:
@@ -45,21 +48,26 @@ def main(
     ratios: dict[int, float] = {}
     try:
         for size in sizes:
-            rates: dict[str, list[tuple[float, float]]] = {"local": [], "ray": []}
+            # per engine, (seconds, records, tokens) of each round
+            runs: dict[str, list[tuple[float, int, int]]] = {"local": [], "ray": []}
             with tempfile.TemporaryDirectory() as tmp:
                 path = corpus(size, Path(tmp))
+                if size == sizes[0]:  # untimed: see above
+                    for engine in ("local", "ray"):
+                        run(path, Path(tmp) / f"{engine}-warm", workers, engine)
                 for i in range(repeats):
                     for engine in ("local", "ray") if i % 2 == 0 else ("ray", "local"):
-                        seconds, records, tokens = run(
-                            path, Path(tmp) / f"{engine}{i}", workers, engine
-                        )
-                        rates[engine].append((records / seconds, tokens / seconds))
+                        runs[engine].append(run(path, Path(tmp) / f"{engine}{i}", workers, engine))
             rows[size] = {
-                e: (statistics.median(r for r, _ in v), statistics.median(t for _, t in v))
-                for e, v in rates.items()
+                e: (
+                    statistics.median(r / s for s, r, _ in v),
+                    statistics.median(t / s for s, _, t in v),
+                )
+                for e, v in runs.items()
             }
             ratios[size] = statistics.median(
-                r[1] / local[1] for r, local in zip(rates["ray"], rates["local"], strict=True)
+                tokens_per_s(runs["ray"][j : j + 2]) / tokens_per_s(runs["local"][j : j + 2])
+                for j in range(0, repeats, 2)
             )
     finally:
         ray.shutdown()
@@ -80,10 +88,15 @@ def main(
     return figures
 
 
+def tokens_per_s(runs: list[tuple[float, int, int]]) -> float:
+    """Tokens over seconds of (seconds, records, tokens) runs taken together."""
+    return sum(t for _, _, t in runs) / sum(s for s, _, _ in runs)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--copies", type=int, nargs="+", default=[3, 8, 24])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--ray-address", default=None)
     args = parser.parse_args()
