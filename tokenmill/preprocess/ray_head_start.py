@@ -13,9 +13,9 @@ from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.plans import ChunkPlan, FileRangeReader, read_chunk
 
-# Threads on which the driver works the first task's chunks while Ray Data starts that task:
-# one, so that the task's start (Ray Data's scheduling, the worker's tokenizer) keeps a core;
-# 0: none, the tasks take every chunk.
+# Threads on which the driver works the first task's chunks while the scan runs and Ray Data
+# starts that task: one, so that the scan and the task's start (Ray Data's scheduling, the
+# worker's tokenizer) keep a core; 0: none, the tasks take every chunk.
 DRIVER_THREADS = 1
 CLAIMS = "tokenmill"  # the namespace of the claims in Ray's key-value store
 
