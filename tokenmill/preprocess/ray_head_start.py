@@ -79,7 +79,11 @@ def _chunks(
     unit = units[0] if units else []
     if first is not None:
         if not unit or not _describes(unit[0], first):
-            raise RuntimeError("an input file changed while it was scanned: chunk 0 differs")
+            where = ", ".join(dict.fromkeys(record.source for record in first.records))
+            raise RuntimeError(
+                f"{where or 'an input file'}: changed while it was scanned (chunk 0, read before"
+                " the scan, is not the records the scan found)"
+            )
         unit = unit[1:]
     for plan in unit:
         if not claim(claims, plan.index, "driver"):
