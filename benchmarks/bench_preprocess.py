@@ -11,7 +11,8 @@ sample file to at least `tokens` tokens, so that a run is long enough to time (a
 is cached after the first copy: real data, which does not repeat, gains less from the larger
 cache); so each type is also measured on one copy of its sample, no record twice (about a
 tenth of the tokens, so noisier), which shows whether the repeats flatter the ratios. Prints medians and
-each type's ratios (medians of per-repeat ratios); the goal is >= 0.9x of the plain floor.
+each type's ratios (medians of per-repeat ratios, with the lowest and highest repeat's: the
+spread that the host's noise leaves); the goal is >= 0.9x of the plain floor.
 Run: python benchmarks/bench_preprocess.py [--tokens 10000000] [--repeats 5] [--workers N]
 """
 
@@ -121,17 +122,21 @@ def main(
                     rates["pipeline"].append(written / seconds)
                 f, o, p = (statistics.median(rates[k]) for k in ("plain", "own", "pipeline"))
                 pairs = zip(rates["pipeline"], rates["plain"], rates["own"], strict=True)
-                r, r_own = (statistics.median(v) for v in zip(*((a / b, a / c) for a, b, c in pairs)))  # fmt: skip
+                per_round, per_round_own = zip(*((a / b, a / c) for a, b, c in pairs))
+                r, r_own = statistics.median(per_round), statistics.median(per_round_own)
                 key = train_type if n == copies else f"{train_type}_one_copy"
                 figures[f"{key}_floor_tokens_per_s"] = f
                 figures[f"{key}_pipeline_tokens_per_s"] = p
                 figures[f"{key}_ratio"] = r
                 figures[f"{key}_ratio_same_tokenizer"] = r_own
-                rows.append((label, n, len(one) * n, floor_tokens, f, o, p, r, r_own))
+                figures[f"{key}_lowest_round"] = min(per_round)
+                figures[f"{key}_highest_round"] = max(per_round)
+                spread = (min(per_round), max(per_round))
+                rows.append((label, n, len(one) * n, floor_tokens, f, o, p, r, spread, r_own))
     print(f"preprocessing end to end vs tokenizers encode_batch ({workers} workers, median of {repeats})")  # fmt: skip
-    print(f"{'type':<10}{'copies':>7}{'texts':>9}{'tokens':>13}{'floor tok/s':>14}{'same tok. tok/s':>17}{'pipeline tok/s':>16}{'ratio':>7}{'vs same':>9}")  # fmt: skip
-    for label, n, texts_n, count, f, o, p, r, r_own in rows:
-        print(f"{label:<10}{n:>7}{texts_n:>9,}{count:>13,}{f:>14,.0f}{o:>17,.0f}{p:>16,.0f}{r:>7.2f}{r_own:>9.2f}")  # fmt: skip
+    print(f"{'type':<10}{'copies':>7}{'texts':>9}{'tokens':>13}{'floor tok/s':>14}{'same tok. tok/s':>17}{'pipeline tok/s':>16}{'ratio':>7}{'rounds':>12}{'vs same':>9}")  # fmt: skip
+    for label, n, texts_n, count, f, o, p, r, (low, high), r_own in rows:
+        print(f"{label:<10}{n:>7}{texts_n:>9,}{count:>13,}{f:>14,.0f}{o:>17,.0f}{p:>16,.0f}{r:>7.2f}{low:>7.2f}-{high:.2f}{r_own:>9.2f}")  # fmt: skip
     return figures
 
 

@@ -6,7 +6,8 @@ amortises: so each size in `copies` (copies of the 1,000-record sample; 8 is abo
 bench_preprocess's size; 24 about 30M) gets its own row. Ray is started once, and each engine
 runs once, before timing (a Ray session's first run starts Ray's worker processes, and each
 engine's first run loads the tokenizer).
-Prints records/s and tokens/s, medians of `repeats` rounds, and per size the Ray/local ratio.
+Prints records/s and tokens/s, medians of `repeats` rounds, and per size the Ray/local ratio
+and the lowest and highest pair's (the spread that the host's noise leaves).
 The engines take turns going first (local first in even rounds), and the ratio is taken over
 each pair of rounds (local, Ray, Ray, local: both engines' tokens over both engines' seconds),
 then the median over the pairs: the host's speed drifts (a 24,000-record run took 27 s and,
@@ -46,6 +47,7 @@ def main(
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     rows: dict[int, dict[str, tuple[float, float]]] = {}
     ratios: dict[int, float] = {}
+    spreads: dict[int, tuple[float, float]] = {}  # the lowest and highest pair's ratio
     try:
         for size in sizes:
             # per engine, (seconds, records, tokens) of each round
@@ -65,20 +67,24 @@ def main(
                 )
                 for e, v in runs.items()
             }
-            ratios[size] = statistics.median(
+            pairs = [
                 tokens_per_s(runs["ray"][j : j + 2]) / tokens_per_s(runs["local"][j : j + 2])
                 for j in range(0, repeats, 2)
-            )
+            ]
+            ratios[size], spreads[size] = statistics.median(pairs), (min(pairs), max(pairs))
     finally:
         ray.shutdown()
     print(f"preprocessing engines, chat SFT ({workers} workers, median of {repeats})")
-    print(f"{'records':>8} {'engine':<8}{'records/s':>12}{'tokens/s':>14}{'ratio':>8}")
+    print(f"{'records':>8} {'engine':<8}{'records/s':>12}{'tokens/s':>14}{'ratio':>8}{'pairs':>13}")
     figures: dict[str, float] = {}
     for size, med in rows.items():
         for engine, (records, tokens) in med.items():
             ratio = ratios[size] if engine == "ray" else 1.0
-            print(f"{size * 1000:>8,} {engine:<8}{records:>12,.0f}{tokens:>14,.0f}{ratio:>8.2f}")
+            low, high = spreads[size] if engine == "ray" else (1.0, 1.0)
+            print(f"{size * 1000:>8,} {engine:<8}{records:>12,.0f}{tokens:>14,.0f}{ratio:>8.2f}{low:>8.2f}-{high:.2f}")  # fmt: skip
         figures[f"ratio at {size * 1000} records"] = ratios[size]
+        figures[f"lowest pair at {size * 1000} records"] = spreads[size][0]
+        figures[f"highest pair at {size * 1000} records"] = spreads[size][1]
     largest = rows[max(rows)]
     figures.update(
         local_tokens_per_s=largest["local"][1],
