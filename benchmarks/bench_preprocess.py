@@ -10,9 +10,11 @@ measurement starts with an empty word cache, as a fresh process does. Each corpu
 sample file to at least `tokens` tokens, so that a run is long enough to time (and every word
 is cached after the first copy: real data, which does not repeat, gains less from the larger
 cache); so each type is also measured on one copy of its sample, no record twice (about a
-tenth of the tokens, so noisier), which shows whether the repeats flatter the ratios. Prints medians and
-each type's ratios (medians of per-repeat ratios, with the lowest and highest repeat's: the
-spread that the host's noise leaves); the goal is >= 0.9x of the plain floor.
+tenth of the tokens, so noisier), which shows whether the repeats flatter the ratios. The
+pipeline and the floors take turns going first (the host's speed drifts within a round).
+Prints medians and each type's ratios (medians of per-repeat ratios, with the lowest and
+highest repeat's: the spread that the host's noise leaves); the goal is >= 0.9x of the plain
+floor.
 Run: python benchmarks/bench_preprocess.py [--tokens 10000000] [--repeats 5] [--workers N]
 """
 
@@ -113,13 +115,16 @@ def main(
             for n in sorted({copies, 1}, reverse=True):  # quick runs may have one copy only
                 path = corpus(n, Path(tmp), sample)
                 rates: dict[str, list[float]] = {"plain": [], "own": [], "pipeline": []}
-                for i in range(repeats):
-                    for kind in ("plain", "own"):
+                for i in range(repeats):  # the pipeline goes first in odd rounds, last in even
+                    kinds = ("plain", "own", "pipeline")
+                    for kind in kinds if i % 2 == 0 else kinds[::-1]:
+                        if kind == "pipeline":
+                            out = Path(tmp) / f"out{i}"
+                            seconds, _, written = run(path, out, workers, "local", train_type)
+                            rates["pipeline"].append(written / seconds)
+                            continue
                         seconds, floor_tokens = floor(one * n, add_special, kind == "own")
                         rates[kind].append(floor_tokens / seconds)
-                    out = Path(tmp) / f"out{i}"
-                    seconds, _, written = run(path, out, workers, "local", train_type)
-                    rates["pipeline"].append(written / seconds)
                 f, o, p = (statistics.median(rates[k]) for k in ("plain", "own", "pipeline"))
                 pairs = zip(rates["pipeline"], rates["plain"], rates["own"], strict=True)
                 per_round, per_round_own = zip(*((a / b, a / c) for a, b, c in pairs))
