@@ -134,9 +134,8 @@ def main(
                 figures[f"{key}_pipeline_tokens_per_s"] = p
                 figures[f"{key}_ratio"] = r
                 figures[f"{key}_ratio_same_tokenizer"] = r_own
-                figures[f"{key}_lowest_round"] = min(per_round)
-                figures[f"{key}_highest_round"] = max(per_round)
                 spread = (min(per_round), max(per_round))
+                figures[f"{key}_lowest_round"], figures[f"{key}_highest_round"] = spread
                 rows.append((label, n, len(one) * n, floor_tokens, f, o, p, r, spread, r_own))
     print(f"preprocessing end to end vs tokenizers encode_batch ({workers} workers, median of {repeats})")  # fmt: skip
     print(f"{'type':<10}{'copies':>7}{'texts':>9}{'tokens':>13}{'floor tok/s':>14}{'same tok. tok/s':>17}{'pipeline tok/s':>16}{'ratio':>7}{'rounds':>12}{'vs same':>9}")  # fmt: skip
