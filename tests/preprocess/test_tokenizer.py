@@ -17,7 +17,8 @@ from helpers import ROOT, TOKENIZERS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.preprocess.chunks import encode_ahead
+from tokenmill.preprocess import chunks, spans
+from tokenmill.preprocess.chunks import encode_ahead, render_ahead
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.presets import default_config
@@ -99,6 +100,65 @@ def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
         assert got.keys() == expected.keys()
         assert all(np.array_equal(got[k], expected[k]) for k in got)
     assert not ahead.encoded  # every text encoded ahead was used
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "deepseek-v3"])
+def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, monkeypatch):
+    """Chat SFT is rendered and encoded a chunk at a time (one batched encode): every array
+    and every error equals a record-by-record run's, through ShareGPT and tool-call records,
+    a text the normalizer changes (encoded alone), bad records and truncation's re-render."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # as in a run's workers
+    data = default_config("sft").model_dump(mode="json")
+    data["preprocessing"].update(max_seq_len=512, min_chars=50)
+    config = PipelineConfig.from_dict(data)
+    lines = (ROOT / "data" / "chat_sharegpt_1000.jsonl").read_bytes().splitlines()[:30]
+    values = [orjson.loads(line) for line in lines]
+    raw = (ROOT / "data" / "chat_sharegpt_raw_200.jsonl").read_bytes().splitlines()[:3]
+    values += [{"messages": orjson.loads(line)["conversations"]} for line in raw]
+    calls = json.loads((ROOT / "data" / "toolcall_glaive_zh_300.json").read_text())[:3]
+    values += [{"messages": r["conversations"], "tools": r["tools"]} for r in calls]
+    decomposed = "Cafe\u0301 au lait, " * 5  # not NFC: the normalizer changes it
+    values += [
+        {"messages": [{"role": "user", "content": decomposed}, {"role": "assistant", "content": "Oui."}]},
+        {"messages": []},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"messages": [{"role": "user", "content": "short"}, {"role": "assistant", "content": "ok"}]},
+        {"text": "no messages"},
+    ]  # fmt: skip
+    records = [Record("chat.jsonl", i, value) for i, value in enumerate(values, 1)]
+    bundle = load_tokenizer(TOKENIZERS / family)
+    one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
+    ahead.rendered = render_ahead(ahead, records)
+    derived = [made[3] is not None for made in ahead.rendered.values()]
+    assert sum(derived) >= 30
+    if family != "deepseek-v3":  # no normalizer there: nothing for it to change
+        assert not ahead.rendered[id(records[36])][3]  # encoded alone, with its normalizer
+    encodes = {one: 0, ahead: 0}  # texts each masker encodes on its own
+    alone = spans.encode_offsets
+
+    def counted(bundle, text):
+        encodes[masker] += 1
+        return alone(bundle, text)
+
+    monkeypatch.setattr(spans, "encode_offsets", counted)
+    for record in records:
+        try:
+            masker = one
+            expected = one.process_counted(record)[0]
+        except RecordError as err:
+            masker = ahead
+            with pytest.raises(RecordError, match=re.escape(err.message)):
+                ahead.process_counted(record)
+            continue
+        masker = ahead
+        assert id(record) in ahead.rendered  # only a record that fails renders nothing ahead
+        got = ahead.process_counted(record)[0]
+        assert got.keys() == expected.keys()
+        assert all(np.array_equal(got[k], expected[k]) for k in got)
+    assert not ahead.rendered  # every rendering made ahead was used
+    assert encodes[ahead] <= encodes[one] - 30  # and its encoding, where it was derived
+    monkeypatch.setattr(chunks, "AHEAD_CHARS", 20_000)  # past it, records go one at a time
+    assert 1 < len(render_ahead(ahead, records)) < 30
 
 
 def test_the_unnormalized_tokenizer_shares_the_model_and_its_added_tokens():

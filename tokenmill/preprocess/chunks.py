@@ -17,15 +17,16 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.preprocess.chat_template import Renderer
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.fields import get_field
-from tokenmill.preprocess.filters import FILTER_REASONS
+from tokenmill.preprocess.fields import check_messages, get_field, get_tools
+from tokenmill.preprocess.filters import FILTER_REASONS, check_chars, raw_chars
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.masking import Ahead, RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.preprocess.records import Record, RecordError, read_records
-from tokenmill.preprocess.token_offsets import added_table
+from tokenmill.preprocess.token_offsets import added_table, encode_offsets_batch
 from tokenmill.preprocess.tokenizer import (
     empty_word_cache,
     encode_fast,
@@ -196,6 +197,43 @@ def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
     return {id(text): (text, e.ids) for text, e in zip(texts, encodings, strict=True)}
 
 
+AHEAD_CHARS = 1 << 22  # rendered ahead per chunk, at most (and one record): about 20 MB of offsets
+
+
+def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[int, Ahead]:
+    """Chat SFT (one chat section): the chunk's conversations rendered, and their renderings
+    encoded in one batch (`encode_offsets_batch`), as `RecordMasker._render` takes them: the
+    masking threads hand the GIL to each other once per chunk, not once per record. A record
+    that fails here (too long, bad messages, a template error) is left to its own pass, which
+    says why."""
+    config = masker.config
+    sections = config.input.sections
+    if config.multi_output or len(sections) != 1 or not sections[0].template:
+        return {}
+    section = sections[0]
+    if section.train_spans == "generation":
+        return {}
+    made, chars = [], 0
+    for record in records:
+        if chars > AHEAD_CHARS:  # the rest one at a time: long records' offsets take memory
+            break
+        try:
+            check_chars(record, config, 0, raw_chars(record, config))
+            value = get_field(record, section.field)
+            messages = check_messages(record, section.field, value, masker.roles)
+            tools = get_tools(record, section.tools_field)
+            render = Renderer(masker.bundle, tools, section.template_kwargs)
+            made.append((record, messages, tools, render(messages, section.generation_prompt)))
+        except Exception:  # noqa: BLE001 - reported by the record's own pass
+            continue
+        chars += len(made[-1][3])
+    offsets = encode_offsets_batch(masker.bundle, [text for *_, text in made])
+    return {
+        id(record): (messages, tools, text, encoded)
+        for (record, messages, tools, text), encoded in zip(made, offsets, strict=True)
+    }
+
+
 def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
     """A chunk's rows, per domain, and its ledger: every record and token read is written or
     dropped by reason (bad records, filters, truncation, packing overflow)."""
@@ -206,6 +244,7 @@ def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
         _ledger(ledgers, "").records_read += 1
         _ledger(ledgers, "").drop("bad_record", 1, 0)
     masker.encoded = encode_ahead(masker, chunk.records)
+    masker.rendered = render_ahead(masker, chunk.records)
     by_domain: dict[str, list[dict]] = {}
     for record in chunk.records:
         try:

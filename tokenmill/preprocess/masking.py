@@ -22,11 +22,13 @@ from tokenmill.preprocess.layout import OutputLayout, can_train
 from tokenmill.preprocess.ledger import Tally
 from tokenmill.preprocess.preference import as_text, is_standard, with_shared_prompt
 from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.spans import render_conversation
+from tokenmill.preprocess.spans import masked_rendering
+from tokenmill.preprocess.token_offsets import TokenOffsets
 from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 from tokenmill.preprocess.truncation import Part, fit, resolve, shared_turns
 
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
+Ahead = tuple[list[dict], "list[dict] | None", str, "TokenOffsets | None"]  # messages, tools, ...
 
 
 class RecordMasker(OutputLayout):
@@ -38,6 +40,7 @@ class RecordMasker(OutputLayout):
         self._dtypes = self.dtypes()
         self.roles = config.known_roles()
         self.encoded: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
+        self.rendered: dict[int, Ahead] = {}  # id(record) -> its chat rendered ahead: chunks.py
         sections = [*config.input.sections]
         sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
         if any(s.train_spans == "generation" for s in sections):
@@ -315,16 +318,13 @@ class RecordMasker(OutputLayout):
         """A chat section's tokens and mask, its EOS included (one rendering of the messages,
         with the record's tool schemas and the section's template keyword arguments)."""
         tools = get_tools(record, section.tools_field)
+        made = self.rendered.pop(id(record), None)  # the first rendering only, of these messages
+        ahead = made[2:] if made is not None and made[:2] == (messages, tools) else None
         try:
-            ids, mask = render_conversation(
-                self.bundle,
-                messages,
-                actions,
-                add_generation_prompt=section.generation_prompt,
-                tools=tools,
-                template_kwargs=section.template_kwargs,
-                generation=section.train_spans == "generation",
-            )
+            ids, mask = masked_rendering(
+                self.bundle, messages, actions, section.generation_prompt, tools,
+                section.template_kwargs, section.train_spans == "generation", ahead,
+            )  # fmt: skip
         except (
             ValueError,
             TypeError,

@@ -36,6 +36,23 @@ def render_conversation(
     are never trained. `tools` and `template_kwargs` (`enable_thinking`, ...) reach the
     template as transformers' `apply_chat_template` passes them.
     """
+    return masked_rendering(
+        bundle, messages, actions, add_generation_prompt, tools, template_kwargs, generation
+    )
+
+
+def masked_rendering(
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    actions: list[bool],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    template_kwargs: dict[str, Any] | None,
+    generation: bool,
+    ahead: tuple[str, TokenOffsets | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`render_conversation`, given its rendering and the rendering's offsets (None where they
+    are not derived) where `ahead` holds them: made with the record's chunk (chunks.py)."""
     if generation:  # the template marks what trains: `{% generation %}` blocks, not roles
         text, spans = render_generation_spans(
             bundle, messages, add_generation_prompt, tools, **(template_kwargs or {})
@@ -48,13 +65,14 @@ def render_conversation(
     if len(actions) != len(messages):
         raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
     render = Renderer(bundle, tools, template_kwargs)
-    text = render(messages, add_generation_prompt)
+    text = render(messages, add_generation_prompt) if ahead is None else ahead[0]
     prompt_start = len(text)  # where the generation prompt begins
     if add_generation_prompt:
         closed = render(messages, False)
         if text.startswith(closed):
             prompt_start = len(closed)
-    offsets = encode_offsets(bundle, text)
+    made = ahead[1] if ahead is not None else None
+    offsets = encode_offsets(bundle, text) if made is None else made
     tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
     opener = header_opener(render) if tooling else None
     if opener:  # tool calls and results: each message's span is what it adds to the rendering

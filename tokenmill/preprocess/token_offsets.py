@@ -130,6 +130,26 @@ def encode_offsets(bundle: TokenizerBundle, text: str) -> TokenOffsets:
     return TokenOffsets(np.asarray(encoding.ids, dtype=np.int32), table, encoding, text=text)
 
 
+def encode_offsets_batch(bundle: TokenizerBundle, texts: list[str]) -> list[TokenOffsets | None]:
+    """`encode_offsets` of each text whose positions come from its ids' byte lengths, all in
+    one batched encode (the tokenizer lets go of the GIL once, not once per text: a chunk's
+    threads wait less for each other); None for the others, which `encode_offsets` encodes."""
+    tokenizer, table = bundle.tokenizer, added_table(bundle.tokenizer)
+    lengths, form = _byte_level(tokenizer)
+    out: list[TokenOffsets | None] = [None] * len(texts)
+    if lengths is None or not tokenizer_threads_are_off():
+        return out
+    picked = [k for k, text in enumerate(texts) if is_stable(form, text)]
+    group = [texts[k] for k in picked]
+    encodings = unnormalized(tokenizer).encode_batch_fast(group, add_special_tokens=False)
+    for k, text, encoding in zip(picked, group, encodings, strict=True):
+        ids = np.fromiter(encoding.ids, dtype=np.int32)
+        positions = _positions(lengths, ids, text)
+        if positions is not None:
+            out[k] = TokenOffsets(ids, table, starts=positions[0], ends=positions[1], text=text)
+    return out
+
+
 def _derived(
     tokenizer: tokenizers.Tokenizer, table: np.ndarray, lengths: np.ndarray, text: str
 ) -> TokenOffsets | None:
