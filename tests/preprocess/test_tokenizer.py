@@ -3,6 +3,7 @@ tokenizer_config.json sets add_bos_token; checked against transformers' own enco
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -159,6 +160,9 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
     assert encodes[ahead] <= encodes[one] - 30  # and its encoding, where it was derived
     monkeypatch.setattr(chunks, "AHEAD_CHARS", 20_000)  # past it, records go one at a time
     assert 1 < len(render_ahead(ahead, records)) < 30
+    dated = f"{{{{ strftime_now('%d %b %Y') }}}}{bundle.chat_template}"  # Llama 3's system date
+    clock = RecordMasker(config, dataclasses.replace(bundle, chat_template=dated))
+    assert render_ahead(clock, records) == {}  # rendered with its record, on the same date
 
 
 def test_the_unnormalized_tokenizer_shares_the_model_and_its_added_tokens():

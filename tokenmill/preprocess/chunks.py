@@ -211,8 +211,9 @@ def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[int, Ahead
     if config.multi_output or len(sections) != 1 or not sections[0].template:
         return {}
     section = sections[0]
-    if section.train_spans == "generation":
-        return {}
+    clock = "strftime_now" in (masker.bundle.chat_template or "")
+    if section.train_spans == "generation" or clock:
+        return {}  # a template that reads the clock renders when the record's own pass does
     made, chars = [], 0
     for record in records:
         if chars > AHEAD_CHARS:  # the rest one at a time: long records' offsets take memory
