@@ -28,7 +28,8 @@ from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 from tokenmill.preprocess.truncation import Part, fit, resolve, shared_turns
 
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
-Ahead = tuple[list[dict], "list[dict] | None", str, "TokenOffsets | None"]  # messages, tools, ...
+# a chat rendered ahead (chunks.py): its messages, tools, rendering and offsets (None: not derived)
+Ahead = tuple[list[dict], "list[dict] | None", str, "TokenOffsets | None"]
 
 
 class RecordMasker(OutputLayout):

@@ -65,13 +65,12 @@ def masked_rendering(
     if len(actions) != len(messages):
         raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
     render = Renderer(bundle, tools, template_kwargs)
-    text = render(messages, add_generation_prompt) if ahead is None else ahead[0]
+    text, made = ahead if ahead is not None else (render(messages, add_generation_prompt), None)
     prompt_start = len(text)  # where the generation prompt begins
     if add_generation_prompt:
         closed = render(messages, False)
         if text.startswith(closed):
             prompt_start = len(closed)
-    made = ahead[1] if ahead is not None else None
     offsets = encode_offsets(bundle, text) if made is None else made
     tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
     opener = header_opener(render) if tooling else None

@@ -143,10 +143,9 @@ def encode_offsets_batch(bundle: TokenizerBundle, texts: list[str]) -> list[Toke
     group = [texts[k] for k in picked]
     encodings = unnormalized(tokenizer).encode_batch_fast(group, add_special_tokens=False)
     for k, text, encoding in zip(picked, group, encodings, strict=True):
-        ids = np.fromiter(encoding.ids, dtype=np.int32)
-        positions = _positions(lengths, ids, text)
-        if positions is not None:
-            out[k] = TokenOffsets(ids, table, starts=positions[0], ends=positions[1], text=text)
+        if (derived := _positions(lengths, encoding, text)) is not None:
+            ids, starts, ends = derived
+            out[k] = TokenOffsets(ids, table, starts=starts, ends=ends, text=text)
     return out
 
 
@@ -163,11 +162,10 @@ def _derived(
     cut = int(last.starts[kept]) if last is not None and kept else 0
     rest = text[cut:]
     [encoding] = unnormalized(tokenizer).encode_batch_fast([rest], add_special_tokens=False)
-    ids = np.fromiter(encoding.ids, dtype=np.int32)
-    positions = _positions(lengths, ids, rest)
-    if positions is None:
+    derived = _positions(lengths, encoding, rest)
+    if derived is None:
         return None
-    starts, ends = positions
+    ids, starts, ends = derived
     if last is not None and kept:  # the kept tokens, then the rest's, which starts with
         if ids[0] != last.ids[kept]:  # the shared added token
             return None
@@ -181,10 +179,11 @@ _LAST = threading.local()  # each thread's last derived encoding: `offsets`
 
 
 def _positions(
-    lengths: np.ndarray, ids: np.ndarray, text: str
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(starts, ends) in characters of the tokens `ids` of `text`, from the bytes each id
-    stands for; None where they do not add up to the text's."""
+    lengths: np.ndarray, encoding: tokenizers.Encoding, text: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(ids, starts, ends) of `encoding` of `text`, positions in characters from the bytes each
+    id stands for; None where they do not add up to the text's."""
+    ids = np.fromiter(encoding.ids, dtype=np.int32)
     sizes = lengths[ids]
     ends = np.cumsum(sizes)
     data = None if text.isascii() else text.encode("utf-8")
@@ -194,7 +193,7 @@ def _positions(
     if data is not None:  # byte positions -> character positions
         char_of = np.cumsum((np.frombuffer(data, np.uint8) & 0xC0) != 0x80) - 1
         starts, ends = char_of[starts], char_of[ends - 1] + 1
-    return starts, ends
+    return ids, starts, ends
 
 
 def _kept(last: TokenOffsets, text: str) -> int:
