@@ -252,19 +252,19 @@ def _with_metas(
     on this node (always, with `rows_here`) the block itself (the object store maps it, and only
     the columns used are decoded); elsewhere, or if unknown, a task there, started as the block
     comes in, on the pull thread, so that it runs before the driver asks for it."""
-    here = ray.get_runtime_context().get_node_id()
-    remote_metas = ray.remote(num_cpus=0)(_block_metas)
+    blocks = (block for bundle in bundles for block in bundle.block_refs)
     try:
-        for bundle in bundles:
-            for block in bundle.block_refs:
-                if rows_here:
-                    yield block, block
-                    continue
-                try:
-                    where = ray.experimental.get_object_locations([block])[block]["node_ids"]
-                except (AttributeError, KeyError):  # Ray Client drivers have no object directory
-                    where = []
-                yield block, block if here in where else remote_metas.remote(block)
+        if rows_here:
+            yield from ((block, block) for block in blocks)
+            return
+        here = ray.get_runtime_context().get_node_id()
+        remote_metas = ray.remote(num_cpus=0)(_block_metas)
+        for block in blocks:
+            try:
+                where = ray.experimental.get_object_locations([block])[block]["node_ids"]
+            except (AttributeError, KeyError):  # Ray Client drivers have no object directory
+                where = []
+            yield block, block if here in where else remote_metas.remote(block)
     finally:
         getattr(bundles, "close", lambda: None)()  # a closed run stops Ray Data's run too
 
