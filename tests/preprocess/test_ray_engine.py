@@ -137,11 +137,14 @@ def test_every_training_type_matches_the_local_engine(
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
 
 
-def noted_runs(tmp_path: Path, monkeypatch, pool_waits: bool) -> tuple[Path, Path, Path]:
+def noted_runs(
+    tmp_path: Path, monkeypatch, pool_waits: bool, pool_pause: float = 0.0
+) -> tuple[Path, Path, Path]:
     """Ray Data's tasks and the driver's head start, each noting the chunks it yields in a
     folder of its own ("pool", "driver"); the pool's tasks wait until the driver's head start
-    has ended (`pool_waits`), else the driver waits until the pool has yielded a chunk. The
-    third path is the file "driver-done" that the driver touches at the end of its head start."""
+    has ended (`pool_waits`), else the driver waits until the pool has yielded a chunk; the
+    pool pauses `pool_pause` seconds after each chunk it yields. The third path is the file
+    "driver-done" that the driver touches at the end of its head start."""
     pool, driver, driver_done = tmp_path / "pool", tmp_path / "driver", tmp_path / "driver-done"
     pool.mkdir()
     driver.mkdir()
@@ -154,6 +157,7 @@ def noted_runs(tmp_path: Path, monkeypatch, pool_waits: bool) -> tuple[Path, Pat
         for out in process_units(batch, *args):
             (pool / str(int(out["index"][0]))).touch()
             yield out
+            time.sleep(pool_pause)
 
     def driver_noting(*args):
         deadline = time.time() + 60
@@ -174,7 +178,7 @@ def indices(folder: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("train_type", ["sft", "dpo"])
-def test_the_driver_works_the_first_task_until_the_pool_claims_a_chunk(
+def test_the_driver_works_the_first_task_while_it_is_held_back(
     tmp_path, ray_address, monkeypatch, train_type
 ):
     """20 chunks, in tasks of TASK_CHUNKS: while Ray Data starts its first task (here: holds
@@ -194,17 +198,22 @@ def test_the_driver_works_the_first_task_until_the_pool_claims_a_chunk(
     assert kv._internal_kv_list("tokenmill-", namespace=ray_head_start.CLAIMS) == []  # deleted
 
 
-def test_a_chunk_the_pool_claimed_first_is_left_to_it(tmp_path, ray_address, monkeypatch):
-    """The pool's first task claims the chunks of its task that the driver has not taken, at
-    once; the driver, here held back until then, finds its first chunk claimed and leaves the
-    whole run to the pool."""
+def test_the_driver_and_the_first_task_share_its_chunks_to_the_end(
+    tmp_path, ray_address, monkeypatch
+):
+    """The driver, held back until the first task has yielded a chunk (so the task has chunk
+    0), then claims chunks as its thread comes free, beside the task, which here pauses after
+    each chunk: both sides do chunks after the task's first, each chunk is done once, and the
+    output is the local engine's."""
     src = head(DATA / TYPES["sft"], tmp_path / TYPES["sft"], 40)
-    pool, driver, driver_done = noted_runs(tmp_path, monkeypatch, pool_waits=False)
+    pool, driver, driver_done = noted_runs(tmp_path, monkeypatch, False, pool_pause=0.2)
     cfg = config("sft", batch_size=2)
     Pipeline(cfg, [src], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
     Pipeline(cfg, [src], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
-    assert driver_done.exists() and indices(driver) == []
-    assert indices(pool) == list(range(20))
+    assert driver_done.exists()
+    done_by_pool, done_by_driver = indices(pool), indices(driver)
+    assert done_by_pool[0] == 0 and len(done_by_pool) > 1 and done_by_driver
+    assert sorted(done_by_pool + done_by_driver) == list(range(20))
     assert_same_dataset(tmp_path / "ray", tmp_path / "local")
 
 
@@ -413,11 +422,29 @@ def test_results_are_pulled_at_most_two_ahead_and_stop_when_the_run_stops():
             closed.append(True)
 
     items, close = ray_results._pulled(source)
-    assert [next(items) for _ in range(3)] == [0, 1, 2]
+    assert [next(items) for _ in range(3)] == [(0, 0), (0, 1), (0, 2)]
     time.sleep(0.3)
     assert len(drawn) <= 3 + 2 + 1  # read, queued, and the one waiting to be queued
     close()  # returns once the pull has stopped
     assert closed and len(drawn) < 100
+
+
+def test_two_sources_are_pulled_at_once_until_both_end():
+    """The tasks' blocks and the driver's own chunks come through one pull: each item tagged with
+    its source, as it comes, to the end of the later source."""
+    first_done = threading.Event()
+
+    def slow():
+        first_done.wait(10)  # comes after the other source's items
+        yield "late"
+
+    def quick():
+        yield from ("a", "b")
+        first_done.set()
+
+    items, close = ray_results._pulled(slow, quick)
+    assert list(items) == [(1, "a"), (1, "b"), (0, "late")]
+    close()
 
 
 def test_an_error_of_the_pull_reaches_the_reader():
@@ -425,10 +452,16 @@ def test_an_error_of_the_pull_reaches_the_reader():
         yield 1
         raise RuntimeError("an actor died for good")
 
-    items, _ = ray_results._pulled(source)
-    assert next(items) == 1
+    items, _ = ray_results._pulled(lambda: iter([]), source)
+    assert next(items) == (1, 1)
     with pytest.raises(RuntimeError, match="died for good"):
         next(items)
+
+
+def chunk_result(index: int):
+    from tokenmill.preprocess.chunks import ChunkResult
+
+    return ChunkResult(index, 1, 1, [("", None)], [], sizes=[5])
 
 
 def test_a_block_is_handed_on_before_the_next_one_comes(ray_address):
@@ -436,16 +469,36 @@ def test_a_block_is_handed_on_before_the_next_one_comes(ray_address):
     (with a few tasks in all, every row would otherwise sit in the object store to the end)."""
     import ray
 
-    from tokenmill.preprocess.chunks import ChunkResult
-
-    def blocks():
-        metas = [(row, row, ChunkResult(row, 1, 1, [("", None)], [], sizes=[5])) for row in (0, 1)]
-        yield "block 0", ray.put(metas)
+    def items():
+        metas = [(row, row, chunk_result(row)) for row in (0, 1)]
+        yield 0, ("block 0", ray.put(metas))
         raise AssertionError("block 1 was asked for before block 0's chunks were handed on")
 
-    results = ray_results._in_order(ray, blocks(), 0, 4, rows_here=False)
+    frontier = ray_head_start.Frontier(0)
+    results = ray_results._in_order(ray, items(), frontier, 4, rows_here=False)
     first, second = next(results), next(results)
-    assert [first.index, second.index] == [0, 1]
+    assert [first.index, second.index, frontier.index] == [0, 1, 2]
     assert first.rows[0][1] == ray_writer.RowRef("block 0", 0, 0, 5)
     with pytest.raises(AssertionError, match="block 1 was asked for"):
         next(results)
+
+
+def test_the_driver_s_chunks_and_the_tasks_come_in_chunk_order(ray_address):
+    """Chunks done by the driver (source 1) and by the tasks (source 0, whose blocks Ray Data may
+    hand over again) in any order are handed on in chunk order, each once; a chunk from both
+    sides, or one missing at the end, stops the run."""
+    import ray
+
+    def block(*indices):
+        return 0, ("block", ray.put([(r, i, chunk_result(i)) for r, i in enumerate(indices)]))
+
+    def merged(items, end=5):
+        frontier = ray_head_start.Frontier(0)
+        return [r.index for r in ray_results._in_order(ray, iter(items), frontier, end, False)]
+
+    got = merged([(1, chunk_result(2)), block(0), (1, chunk_result(3)), block(1, 4), block(4)])
+    assert got == [0, 1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="chunk 1 twice"):
+        merged([block(0, 1), (1, chunk_result(1))])
+    with pytest.raises(RuntimeError, match=r"ended after chunk 2 of 0\.\.4"):
+        merged([block(0, 1), (1, chunk_result(2)), (1, chunk_result(4))])

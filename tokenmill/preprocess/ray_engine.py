@@ -5,9 +5,9 @@ Used by `Pipeline(engine="ray")` in place of the local engine's threads:
    errors, so that the driver cuts the same chunks as `iter_chunks` (`plans.plan_chunks`);
 2. process (Ray Data `map_batches` tasks, in Ray's worker processes, each of which loads the
    tokenizer once): `process_chunk`, the local engine's own function, on THREADS threads; the
-   driver works the first task's chunks from the run's start, while the scan runs and that
-   task starts (`ray_head_start.head_start`); the rows stay in the object store and only each
-   chunk's counts reach the driver, in chunk order;
+   driver shares the first task's chunks from the run's start, while the scan runs and that
+   task starts, to the end (`ray_head_start.head_start`); the rows stay in the object store
+   and only each chunk's counts reach the driver, in chunk order;
 3. write: on a cluster of one node the driver writes each chunk's rows as it comes, read in
    place from its object store, with the local ShardWriter (`one_node`); else (Ray tasks) the
    driver cuts shards with the local writer's rule and a task per shard gathers its rows and

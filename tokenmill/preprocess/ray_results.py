@@ -1,7 +1,7 @@
 """The Ray engine's scan and process steps (ray_engine.py has the whole flow): the scan and the
-Ray Data tasks that mask and pack work units, on a thread of the driver while the driver's head
-start works the first task's chunks (ray_head_start.py), and each chunk's counts back on the
-driver in chunk order, its rows left in the object store (or, on a cluster of one node, the
+Ray Data tasks that mask and pack work units, on a thread of the driver, while another works
+the driver's share of the first task's chunks (ray_head_start.py), and each chunk's counts back
+on the driver in chunk order, its rows left in the object store (or, on a cluster of one node, the
 driver's, read in place: `rows_here`)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import queue
 import threading
 import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -37,7 +38,14 @@ from tokenmill.preprocess.plans import (
     task_chunks,
     work_units,
 )
-from tokenmill.preprocess.ray_head_start import CLAIMS, DRIVER_THREADS, claim, claims_kv, head_start
+from tokenmill.preprocess.ray_head_start import (
+    CLAIMS,
+    DRIVER_THREADS,
+    Frontier,
+    claim,
+    claims_kv,
+    head_start,
+)
 from tokenmill.preprocess.ray_writer import RowRef, block_rows
 from tokenmill.preprocess.tokenizer import tokenizer_threads_off
 
@@ -62,14 +70,17 @@ def process_units(
     try:
         with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
             for unit, claims in zip(batch["unit"], batch["claims"], strict=True):
-                if claims:  # the first task: the chunks the driver has not taken, all at once
-                    unit = [plan for plan in unit if claim(claims, plan.index, "pool")]
-                chunks = (read_chunk(plan, reader) for plan in unit)
-                for plan, result in zip(unit, process_stream(chunks), strict=True):
+                plans, ahead = iter(unit), THREADS + 1
+                if claims:  # the first task, shared with the driver's thread(s): as many
+                    # threads as the driver leaves, each chunk claimed as a thread comes free
+                    plans = (plan for plan in unit if claim(claims, plan.index, "pool"))
+                    ahead = max(1, THREADS - DRIVER_THREADS)
+                chunks = (read_chunk(plan, reader) for plan in plans)
+                for result in process_stream(chunks, ahead=ahead):
                     rows = ChunkRows.of(result)
                     result.rows = [(domain, None) for domain, _ in result.rows]
                     yield {
-                        "index": np.array([plan.index]),
+                        "index": np.array([result.index]),
                         "meta": _objects([result]),
                         "rows": _objects([rows]),
                     }
@@ -124,27 +135,22 @@ def ray_results(
     run = uuid.uuid4().hex
     claims = f"tokenmill-{run}-chunk-" if DRIVER_THREADS else ""
     with _data_context(ray):
-        # the pull thread scans, then starts the tasks; the driver's head start begins at once
-        tasks = _tasks(ray, files, config, args, workers, first_chunk, run, claims, rows_here)
-        blocks, close = _pulled(lambda: tasks)
-        units: list[list[ChunkPlan]] | None = None
-
-        def planned() -> list[list[ChunkPlan]]:
-            """The tasks' units: the pull thread's first item, once the scan is done."""
-            nonlocal units
-            if units is None:
-                units = next(blocks)
-            return units
-
+        units: Future[list[list[ChunkPlan]]] = Future()  # the tasks' units, once scanned
+        frontier = Frontier(first_chunk)
+        head = (files, config) if first_chunk == 0 else None
+        # a thread scans, then starts the tasks and pulls their blocks (source 0); another runs
+        # the driver's share of the first task from the run's start (source 1)
+        tasks = _tasks(ray, files, config, args, workers, first_chunk, run, claims, units)
+        items, close = _pulled(
+            lambda: _with_metas(ray, tasks, rows_here),
+            lambda: head_start(head, units.result, args, claims, frontier),
+        )
         try:
-            head = (files, config) if first_chunk == 0 else None
-            done = first_chunk
-            for result in head_start(head, planned, args, claims):
-                done += 1  # the rows stay here, else go where a write task finds them
-                yield result if rows_here else _referred(result, ray.put([ChunkRows.of(result)]), 0)
-            end = first_chunk + sum(map(len, planned()))
-            yield from _in_order(ray, blocks, done, end, rows_here)
+            end = first_chunk + sum(map(len, units.result()))
+            yield from _in_order(ray, items, frontier, end, rows_here)
         finally:  # a closed run: Ray Data stops its tasks, before the session may end
+            frontier.close()
+            units.cancel()  # if the scan has not begun, the head start stops waiting for it
             close()
             if claims and ray.is_initialized():  # a lost connection keeps the run's own error
                 claims_kv()._internal_kv_del(claims, del_by_prefix=True, namespace=CLAIMS)
@@ -159,21 +165,25 @@ def _tasks(
     first_chunk: int,
     run: str,
     claims: str,
-    rows_here: bool,
+    units_out: Future[list[list[ChunkPlan]]],
 ) -> Iterator[Any]:
-    """Run on the pull thread: the scan (`_scans`), then the units of the tasks, yielded first,
-    then each block of the tasks' output with its counts (`_with_metas`)."""
-    pre = config.preprocessing
-    plans = (
-        p
-        for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
-        if p.index >= first_chunk
-    )
-    units = list(work_units(plans))
-    size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
-    if units:
-        units = list(joined(units, task_chunks(sum(map(len, units)), size)))
-    yield units
+    """Run on a pull thread: the scan (`_scans`), whose units of the tasks go to `units_out`,
+    then Ray Data's ref bundles of the tasks' output."""
+    try:
+        pre = config.preprocessing
+        plans = (
+            p
+            for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
+            if p.index >= first_chunk
+        )
+        units = list(work_units(plans))
+        size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
+        if units:
+            units = list(joined(units, task_chunks(sum(map(len, units)), size)))
+    except BaseException as err:
+        units_out.set_exception(err)
+        raise
+    units_out.set_result(units)
     if not units:
         return
     items = [
@@ -188,22 +198,25 @@ def _tasks(
         compute=ray.data.TaskPoolStrategy(size=size),
         num_cpus=cpus,
     )
-    yield from _with_metas(ray, results.iter_internal_ref_bundles(), rows_here)
+    yield from results.iter_internal_ref_bundles()
 
 
 _END = object()
 
 
-def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable[[], None]]:
-    """The items of `start()`, pulled on a thread of the driver from now on (Ray Data's iterator
-    only returns once the first task has output, a time that the driver spends on that task's
-    chunks, `head_start`), at most 2 ahead of the reader, so that Ray Data's backpressure
-    still holds; and `close`, which stops the pull (and with it Ray Data's run) and waits for
-    its thread, which may first wait for the first task's output."""
+def _pulled(
+    *starts: Callable[[], Iterator[Any]],
+) -> tuple[Iterator[tuple[int, Any]], Callable[[], None]]:
+    """The items of each `starts[i]()` as (i, item), in the order they come, each source pulled
+    on a thread of the driver from now on (Ray Data's iterator only returns once the first
+    task has output), all at most 2 ahead of the reader, so that Ray Data's backpressure still
+    holds; and `close`, which stops the pulls (and with them Ray Data's run) and waits for
+    their threads, which may first wait for the first task's output. An error of any source
+    is raised where the reader reads."""
     items: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
 
-    def put(entry: tuple[Any, BaseException | None]) -> bool:
+    def put(entry: tuple[int, Any, BaseException | None]) -> bool:
         """Put unless the reader has stopped; False once it has."""
         while not stop.is_set():
             try:
@@ -213,34 +226,41 @@ def _pulled(start: Callable[[], Iterator[Any]]) -> tuple[Iterator[Any], Callable
                 continue
         return False
 
-    def pull() -> None:
+    def pull(i: int, start: Callable[[], Iterator[Any]]) -> None:
         try:
             source = start()
             if stop.is_set():
                 return
             for item in source:
-                if not put((item, None)):
+                if not put((i, item, None)):
                     break
             getattr(source, "close", lambda: None)()
-            put((_END, None))
+            put((i, _END, None))
         except BaseException as err:  # raised where the driver reads the results
-            put((None, err))
+            put((i, None, err))
 
-    def read() -> Iterator[Any]:
-        while True:
-            item, err = items.get()
+    def read() -> Iterator[tuple[int, Any]]:
+        ended = 0
+        while ended < len(starts):
+            i, item, err = items.get()
             if err is not None:
                 raise err
             if item is _END:
-                return
-            yield item
+                ended += 1
+                continue
+            yield i, item
 
-    thread = threading.Thread(target=pull, daemon=True, name="tokenmill-ray-results")
-    thread.start()
+    threads = [
+        threading.Thread(target=pull, args=(i, start), daemon=True, name="tokenmill-ray-results")
+        for i, start in enumerate(starts)
+    ]
+    for thread in threads:
+        thread.start()
 
     def close() -> None:
         stop.set()
-        thread.join(timeout=60)
+        for thread in threads:
+            thread.join(timeout=60)
 
     return read(), close
 
@@ -270,31 +290,55 @@ def _with_metas(
 
 
 def _in_order(
-    ray: ModuleType, blocks: Iterator[tuple[Any, Any]], first: int, end: int, rows_here: bool
+    ray: ModuleType,
+    items: Iterator[tuple[int, Any]],
+    frontier: Frontier,
+    end: int,
+    rows_here: bool,
 ) -> Iterator[ChunkResult]:
-    """The counts of chunks first..end-1 (each block with its counts, `_with_metas`), checked
-    to come once each and in order, their rows as RowRefs (with `rows_here`: the rows, read
-    from the block in place). A block is handed on as soon as it comes: none waits for later
-    ones."""
-    expected = first
-    for block, future in blocks:
-        got = ray.get(future)
-        metas = got if isinstance(got, list) else _block_metas(got)
-        chunk_rows = block_rows(got) if rows_here and metas else None
-        for row, index, meta in metas:
-            if index < expected:  # a block that Ray Data handed over again, in slices
+    """The counts of chunks frontier.index..end-1, from the tasks' blocks (source 0: each block
+    with its counts, `_with_metas`) and the driver's head start (source 1: ChunkResults), in
+    any order; checked to come once each and yielded in chunk order, moving `frontier` on,
+    their rows as RowRefs (with `rows_here`: the rows, read from the block in place, or the
+    driver's own). A chunk is handed on as soon as the chunks before it are: none waits for
+    later ones."""
+    first = frontier.index
+    held: dict[int, ChunkResult] = {}  # done, waiting for an earlier chunk
+    seen: tuple[set[int], set[int]] = (set(), set())  # the chunks from each side
+    for source, item in items:
+        for result in _block_results(ray, item, rows_here) if source == 0 else [item]:
+            index = result.index
+            if index in seen[source]:  # a block that Ray Data handed over again, in slices
                 continue
-            if index != expected:
-                raise RuntimeError(f"Ray returned chunk {index} where chunk {expected} was due")
-            expected += 1
-            if chunk_rows is None:
-                yield _referred(meta, block, row)
-                continue
-            rows = chunk_rows[row].rows
-            meta.rows = [(domain, r) for (domain, _), r in zip(meta.rows, rows, strict=True)]
-            yield meta
-    if expected != end:
-        raise RuntimeError(f"Ray Data ended after chunk {expected - 1} of {first}..{end - 1}")
+            if index in seen[1 - source] or not first <= index < end:
+                raise RuntimeError(f"Ray returned chunk {index} twice or out of {first}..{end - 1}")
+            seen[source].add(index)
+            if source == 1 and not rows_here:  # the rows go where a write task finds them
+                result = _referred(result, ray.put([ChunkRows.of(result)]), 0)
+            held[index] = result
+        while frontier.index in held:
+            result = held.pop(frontier.index)
+            frontier.advance()
+            yield result
+    if frontier.index != end:
+        raise RuntimeError(f"Ray Data ended after chunk {frontier.index - 1} of {first}..{end - 1}")
+
+
+def _block_results(ray: ModuleType, item: tuple[Any, Any], rows_here: bool) -> list[ChunkResult]:
+    """The chunks of one of the tasks' blocks, given with its counts (`_with_metas`)."""
+    block, future = item
+    got = ray.get(future)
+    metas = got if isinstance(got, list) else _block_metas(got)
+    chunk_rows = block_rows(got) if rows_here and metas else None
+    results = []
+    for row, _, meta in metas:
+        if chunk_rows is None:
+            results.append(_referred(meta, block, row))
+            continue
+        rows = chunk_rows[row].rows
+        meta.rows = [(domain, r) for (domain, _), r in zip(meta.rows, rows, strict=True)]
+        results.append(meta)
+    return results
 
 
 def _referred(result: ChunkResult, block: Any, row: int) -> ChunkResult:
