@@ -141,9 +141,18 @@ def ray_results(
         # a thread scans, then starts the tasks and pulls their blocks (source 0); another runs
         # the driver's share of the first task from the run's start (source 1)
         tasks = _tasks(ray, files, config, args, workers, first_chunk, run, claims, units)
+
+        def blocks() -> Iterator[tuple[Any, Any]]:
+            """Source 0; an error before the scan's end is also the units' (waited on here)."""
+            try:
+                yield from _with_metas(ray, tasks, rows_here)
+            except BaseException as err:
+                if not units.done():
+                    units.set_exception(err)
+                raise
+
         items, close = _pulled(
-            lambda: _with_metas(ray, tasks, rows_here),
-            lambda: head_start(head, units.result, args, claims, frontier),
+            blocks, lambda: head_start(head, units.result, args, claims, frontier)
         )
         try:
             end = first_chunk + sum(map(len, units.result()))
@@ -169,20 +178,16 @@ def _tasks(
 ) -> Iterator[Any]:
     """Run on a pull thread: the scan (`_scans`), whose units of the tasks go to `units_out`,
     then Ray Data's ref bundles of the tasks' output."""
-    try:
-        pre = config.preprocessing
-        plans = (
-            p
-            for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
-            if p.index >= first_chunk
-        )
-        units = list(work_units(plans))
-        size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
-        if units:
-            units = list(joined(units, task_chunks(sum(map(len, units)), size)))
-    except BaseException as err:
-        units_out.set_exception(err)
-        raise
+    pre = config.preprocessing
+    plans = (
+        p
+        for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
+        if p.index >= first_chunk
+    )
+    units = list(work_units(plans))
+    size, cpus = pool_size(float(ray.cluster_resources().get("CPU", 1.0)), workers)
+    if units:
+        units = list(joined(units, task_chunks(sum(map(len, units)), size)))
     units_out.set_result(units)
     if not units:
         return
