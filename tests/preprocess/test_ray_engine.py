@@ -16,7 +16,14 @@ import pytest
 from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill.preprocess import plans, ray_engine, ray_head_start, ray_results, ray_writer
+from tokenmill.preprocess import (
+    plans,
+    ray_engine,
+    ray_head_start,
+    ray_merge,
+    ray_results,
+    ray_writer,
+)
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
@@ -421,7 +428,7 @@ def test_results_are_pulled_at_most_two_ahead_and_stop_when_the_run_stops():
         finally:
             closed.append(True)
 
-    items, close = ray_results._pulled(source)
+    items, close = ray_merge.pulled(source)
     assert [next(items) for _ in range(3)] == [(0, 0), (0, 1), (0, 2)]
     time.sleep(0.3)
     assert len(drawn) <= 3 + 2 + 1  # read, queued, and the one waiting to be queued
@@ -442,7 +449,7 @@ def test_two_sources_are_pulled_at_once_until_both_end():
         yield from ("a", "b")
         first_done.set()
 
-    items, close = ray_results._pulled(slow, quick)
+    items, close = ray_merge.pulled(slow, quick)
     assert list(items) == [(1, "a"), (1, "b"), (0, "late")]
     close()
 
@@ -452,7 +459,7 @@ def test_an_error_of_the_pull_reaches_the_reader():
         yield 1
         raise RuntimeError("an actor died for good")
 
-    items, _ = ray_results._pulled(lambda: iter([]), source)
+    items, _ = ray_merge.pulled(lambda: iter([]), source)
     assert next(items) == (1, 1)
     with pytest.raises(RuntimeError, match="died for good"):
         next(items)
@@ -475,7 +482,7 @@ def test_a_block_is_handed_on_before_the_next_one_comes(ray_address):
         raise AssertionError("block 1 was asked for before block 0's chunks were handed on")
 
     frontier = ray_head_start.Frontier(0)
-    results = ray_results._in_order(ray, items(), frontier, 4, rows_here=False)
+    results = ray_merge.in_order(ray, items(), frontier, 4, rows_here=False)
     first, second = next(results), next(results)
     assert [first.index, second.index, frontier.index] == [0, 1, 2]
     assert first.rows[0][1] == ray_writer.RowRef("block 0", 0, 0, 5)
@@ -494,7 +501,7 @@ def test_the_driver_s_chunks_and_the_tasks_come_in_chunk_order(ray_address):
 
     def merged(items, end=5):
         frontier = ray_head_start.Frontier(0)
-        return [r.index for r in ray_results._in_order(ray, iter(items), frontier, end, False)]
+        return [r.index for r in ray_merge.in_order(ray, iter(items), frontier, end, False)]
 
     got = merged([(1, chunk_result(2)), block(0), (1, chunk_result(3)), block(1, 4), block(4)])
     assert got == [0, 1, 2, 3, 4]

@@ -15,8 +15,8 @@ Used by `Pipeline(engine="ray")` in place of the local engine's threads:
    the task uploads its shard, meta.json last, after the driver has uploaded the journal
    lines that account for its rows).
 Same chunks, same code, same cut: the output equals the local engine's byte for byte.
-Steps 1 and 2 are in ray_results.py (the head start in ray_head_start.py), step 3 in
-ray_writer.py.
+Steps 1 and 2 are in ray_results.py (the head start in ray_head_start.py, the chunks' way back
+to the driver in ray_merge.py), step 3 in ray_writer.py.
 """
 
 from __future__ import annotations
