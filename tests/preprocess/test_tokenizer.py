@@ -130,10 +130,11 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
     ahead.rendered = render_ahead(ahead, records)
-    derived = [made[3] is not None for made in ahead.rendered.values()]
+    derived = [made[4] is not None for entries in ahead.rendered.values() for made in entries]
     assert sum(derived) >= 30
     if family != "deepseek-v3":  # no normalizer there: nothing for it to change
-        assert not ahead.rendered[id(records[-5])][3]  # encoded alone, with its normalizer
+        [(*_, offsets)] = ahead.rendered[("chat.jsonl", records[-5].line)]
+        assert not offsets  # encoded alone, with its normalizer
     encodes = {one: 0, ahead: 0}  # texts each masker encodes on its own
     alone = spans.encode_offsets
 
@@ -152,7 +153,7 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
                 ahead.process_counted(record)
             continue
         masker = ahead
-        assert id(record) in ahead.rendered  # only a record that fails renders nothing ahead
+        assert (record.source, record.line) in ahead.rendered  # only a failing one renders none
         got = ahead.process_counted(record)[0]
         assert got.keys() == expected.keys()
         assert all(np.array_equal(got[k], expected[k]) for k in got)
@@ -163,6 +164,82 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
     dated = f"{{{{ strftime_now('%d %b %Y') }}}}{bundle.chat_template}"  # Llama 3's system date
     clock = RecordMasker(config, dataclasses.replace(bundle, chat_template=dated))
     assert render_ahead(clock, records) == {}  # rendered with its record, on the same date
+
+
+def _pairs(family: str) -> list[dict]:
+    """Preference pairs as TRL writes them: explicit and implicit prompts, a multi-turn prompt
+    long enough to be cut, the standard (text) format, and bad pairs."""
+    lines = (ROOT / "data" / "dpo_en_300.jsonl").read_bytes().splitlines()[:24]
+    values = [orjson.loads(line) for line in lines]
+    implicit = {k: v for k, v in values[0].items() if k != "prompt"}  # the replies repeat it
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "word " * 90}
+        for i in range(9)
+    ]  # fmt: skip
+    reply = [{"role": "assistant", "content": "A short reply."}]
+    other = [{"role": "assistant", "content": "Another reply."}]
+    values += [
+        implicit,
+        {"prompt": turns, "chosen": reply, "rejected": other},  # cut: the latest turns that fit
+        {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " No."},  # the standard format
+        {"prompt": turns[:1], "chosen": reply, "rejected": reply},  # the same tokens
+        {"prompt": turns[:1], "chosen": [{"role": "assistant", "content": 3}], "rejected": other},
+        {"chosen": reply},
+    ]
+    return values
+
+
+@pytest.mark.parametrize(
+    ("family", "preset"),
+    [("qwen2.5", "dpo"), ("qwen3", "dpo"), ("deepseek-v3", "dpo"), ("qwen2.5", "kto")],
+)
+def test_preference_pairs_rendered_ahead_in_one_batch_give_the_same_rows(
+    family, preset, monkeypatch
+):
+    """Every conversation of a preference record (each reply with its prompt, explicit or
+    implicit) is rendered and encoded with its chunk, in one batch: every array and every error
+    equals a record-by-record run's, through truncation's re-render and the text format."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # as in a run's workers
+    data = default_config(preset).model_dump(mode="json")
+    data["preprocessing"].update(max_seq_len=512)
+    config = PipelineConfig.from_dict(data)
+    values = _pairs(family)
+    if preset == "kto":  # a prompt and one completion, labelled
+        values = [
+            {"prompt": v.get("prompt"), "completion": v.get("chosen"), "label": i % 2 == 0}
+            for i, v in enumerate(values)
+        ]
+    records = [Record("pairs.jsonl", i, value) for i, value in enumerate(values, 1)]
+    bundle = load_tokenizer(TOKENIZERS / family)
+    one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
+    ahead.rendered = render_ahead(ahead, records)
+    conversations = 2 if preset == "dpo" else 1
+    for line in (1, 25, 26):  # an explicit prompt, an implicit one, a prompt to be cut
+        assert len(ahead.rendered[("pairs.jsonl", line)]) == conversations
+    assert ("pairs.jsonl", 27) not in ahead.rendered  # text: rendered by the record's own pass
+    alone = spans.encode_offsets
+    encodes = {one: 0, ahead: 0}
+
+    def counted(bundle, text):
+        encodes[masker] += 1
+        return alone(bundle, text)
+
+    monkeypatch.setattr(spans, "encode_offsets", counted)
+    for record in records:
+        masker = one
+        try:
+            expected = one.process_counted(record)[0]
+        except RecordError as err:
+            masker = ahead
+            with pytest.raises(RecordError, match=re.escape(err.message)):
+                ahead.process_counted(record)
+            continue
+        masker = ahead
+        got = ahead.process_counted(record)[0]
+        assert got.keys() == expected.keys()
+        assert all(np.array_equal(got[k], expected[k]) for k in got)
+    assert encodes[ahead] <= encodes[one] - 24 * conversations
+    assert not ahead.rendered  # every rendering made ahead was used
 
 
 def test_the_unnormalized_tokenizer_shares_the_model_and_its_added_tokens():

@@ -19,7 +19,7 @@ import numpy as np
 
 from tokenmill.preprocess.chat_template import Renderer
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.fields import check_messages, get_field, get_tools
+from tokenmill.preprocess.fields import get_field, get_tools
 from tokenmill.preprocess.filters import FILTER_REASONS, check_chars, raw_chars
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.ledger import Ledger
@@ -33,6 +33,7 @@ from tokenmill.preprocess.tokenizer import (
     load_tokenizer,
     tokenizer_threads_off,
 )
+from tokenmill.preprocess.truncation import Part
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens, trained_count
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -200,39 +201,42 @@ def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
 AHEAD_CHARS = 1 << 22  # rendered ahead per chunk, at most (and one record): about 20 MB of offsets
 
 
-def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[int, Ahead]:
-    """Chat SFT (one chat section): the chunk's conversations rendered, and their renderings
+def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[tuple[str, int], list[Ahead]]:
+    """Chats (SFT, preference pairs): the chunk's conversations rendered, and their renderings
     encoded in one batch (`encode_offsets_batch`), as `RecordMasker._render` takes them: the
-    masking threads hand the GIL to each other once per chunk, not once per record. A record
-    that fails here (too long, bad messages, a template error) is left to its own pass, which
-    says why."""
+    masking threads hand the GIL to each other once per chunk, not once per conversation. A
+    record that fails here (too long, bad messages, a template error) is left to its own
+    pass, which says why."""
     config = masker.config
-    sections = config.input.sections
-    if config.multi_output or len(sections) != 1 or not sections[0].template:
-        return {}
-    section = sections[0]
+    sections = [*config.input.sections]
+    sections += [s for source in (config.input.sources or {}).values() for s in source.sections]
     clock = "strftime_now" in (masker.bundle.chat_template or "")
-    if section.train_spans == "generation" or clock:
+    if not any(s.template for s in sections) or clock:
         return {}  # a template that reads the clock renders when the record's own pass does
-    made, chars = [], 0
+    if any(s.train_spans == "generation" for s in sections):
+        return {}
+    made: list[tuple[tuple[str, int], Part, list[dict] | None, str]] = []
+    chars = 0
     for record in records:
         if chars > AHEAD_CHARS:  # the rest one at a time: long records' offsets take memory
             break
         try:
             check_chars(record, config, 0, raw_chars(record, config))
-            value = get_field(record, section.field)
-            messages = check_messages(record, section.field, value, masker.roles)
-            tools = get_tools(record, section.tools_field)
-            render = Renderer(masker.bundle, tools, section.template_kwargs)
-            made.append((record, messages, tools, render(messages, section.generation_prompt)))
+            for part in masker.conversations(record):
+                section = part.section
+                tools = get_tools(record, section.tools_field)
+                render = Renderer(masker.bundle, tools, section.template_kwargs)
+                text = render(part.messages or [], section.generation_prompt)
+                made.append(((record.source, record.line), part, tools, text))
+                chars += len(made[-1][3])
         except Exception:  # noqa: BLE001 - reported by the record's own pass
             continue
-        chars += len(made[-1][3])
     offsets = encode_offsets_batch(masker.bundle, [text for *_, text in made])
-    return {
-        id(record): (messages, tools, text, encoded)
-        for (record, messages, tools, text), encoded in zip(made, offsets, strict=True)
-    }
+    rendered: dict[tuple[str, int], list[Ahead]] = {}
+    for (key, part, tools, text), encoded in zip(made, offsets, strict=True):
+        ahead = (part.section, part.messages or [], tools, text, encoded)
+        rendered.setdefault(key, []).append(ahead)
+    return rendered
 
 
 def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:

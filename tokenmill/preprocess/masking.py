@@ -28,8 +28,9 @@ from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 from tokenmill.preprocess.truncation import Part, fit, resolve, shared_turns
 
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
-# a chat rendered ahead (chunks.py): its messages, tools, rendering and offsets (None: not derived)
-Ahead = tuple[list[dict], "list[dict] | None", str, "TokenOffsets | None"]
+# a conversation rendered ahead (chunks.py): its first section, messages, tools, rendering and
+# offsets (None: not derived)
+Ahead = tuple[Section, list[dict], "list[dict] | None", str, "TokenOffsets | None"]
 
 
 class RecordMasker(OutputLayout):
@@ -41,7 +42,8 @@ class RecordMasker(OutputLayout):
         self._dtypes = self.dtypes()
         self.roles = config.known_roles()
         self.encoded: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
-        self.rendered: dict[int, Ahead] = {}  # id(record) -> its chat rendered ahead: chunks.py
+        # (source, line) -> the record's conversations rendered ahead, each used once: chunks.py
+        self.rendered: dict[tuple[str, int], list[Ahead]] = {}
         sections = [*config.input.sections]
         sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
         if any(s.train_spans == "generation" for s in sections):
@@ -110,11 +112,8 @@ class RecordMasker(OutputLayout):
         values: dict[str, np.ndarray] = {}
         untrained: RecordError | None = None  # raised once every source is rendered (the ledger)
         rendered = {
-            key: self._sections(record, source.sections, tally)
-            for key, source in (self.config.input.sources or {}).items()
-            if not source.list_field
-            and source.sections[0].action != "value"
-            and not all(s.optional and record.data.get(s.field) is None for s in source.sections)
+            key: self._sections(record, sections, tally)
+            for key, sections in self._joined_sources(record).items()
         }
         rendered = self._shared_turns(record, rendered, tally)
         for key, source in (self.config.input.sources or {}).items():
@@ -197,6 +196,45 @@ class RecordMasker(OutputLayout):
                 "identical_pair",
             )
         return out
+
+    def _joined_sources(self, record: Record) -> dict[str, list[Section]]:
+        """The sources whose sections join into one sequence: not a group, not values, and not
+        every section absent."""
+        return {
+            key: source.sections
+            for key, source in (self.config.input.sources or {}).items()
+            if not source.list_field
+            and source.sections[0].action != "value"
+            and not all(s.optional and record.data.get(s.field) is None for s in source.sections)
+        }
+
+    def conversations(self, record: Record) -> list[Part]:
+        """The conversations this record's own pass renders first, in order, not rendered yet:
+        one per sequence (SFT's, each reply's of a preference pair), or none where a sequence
+        holds text. What a chunk renders ahead in one batch (chunks.py); raises what the
+        record's own pass would."""
+        groups = [self.config.input.sections]
+        if self.config.multi_output:
+            record = with_shared_prompt(record, self.config)
+            if is_standard(record, self.config):
+                return []
+            groups = list(self._joined_sources(record).values())
+        tally, parts = Tally(), []  # the record's own pass counts what it renders
+        for sections in groups:
+            present = [
+                s for s in sections if not s.optional or record.data.get(s.field) is not None
+            ]
+            if not present or not all(s.template for s in present):
+                return []
+            first = present[0]
+            chat = self._chat(
+                record, first, first.field, get_field(record, first.field), True, tally
+            )
+            for section in present[1:]:
+                value = get_field(record, section.field)
+                chat = self._continue_chat(record, chat, section, value, tally)
+            parts.append(chat)
+        return parts
 
     def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
         """Each section rendered; chat sections that follow one another are one conversation
@@ -319,8 +357,7 @@ class RecordMasker(OutputLayout):
         """A chat section's tokens and mask, its EOS included (one rendering of the messages,
         with the record's tool schemas and the section's template keyword arguments)."""
         tools = get_tools(record, section.tools_field)
-        made = self.rendered.pop(id(record), None)  # the first rendering only, of these messages
-        ahead = made[2:] if made is not None and made[:2] == (messages, tools) else None
+        ahead = self._ahead(record, section, messages, tools)
         try:
             ids, mask = masked_rendering(
                 self.bundle, messages, actions, section.generation_prompt, tools,
@@ -350,6 +387,21 @@ class RecordMasker(OutputLayout):
         if section.eos:
             ids, mask = self._eos(section, ids, mask)
         return ids, mask
+
+    def _ahead(
+        self, record: Record, section: Section, messages: list[dict], tools: list[dict] | None
+    ) -> tuple[str, TokenOffsets | None] | None:
+        """This conversation's rendering and offsets, where its chunk made them: a truncated
+        record's re-rendering (other messages) finds none."""
+        key = (record.source, record.line)
+        made = self.rendered.get(key, [])
+        for k, (first, *inputs, text, offsets) in enumerate(made):
+            if first is section and inputs == [messages, tools]:
+                del made[k]
+                if not made:
+                    del self.rendered[key]
+                return text, offsets
+        return None
 
     def _eos(
         self, section: Section, ids: np.ndarray, mask: np.ndarray
