@@ -210,11 +210,11 @@ def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[tuple[str,
     config = masker.config
     sections = [*config.input.sections]
     sections += [s for source in (config.input.sources or {}).values() for s in source.sections]
-    clock = "strftime_now" in (masker.bundle.chat_template or "")
-    if not any(s.template for s in sections) or clock:
+    generation = any(s.train_spans == "generation" for s in sections)
+    if generation or not any(s.template for s in sections):
+        return {}  # the template's generation blocks: rendered with the record's own pass
+    if "strftime_now" in (masker.bundle.chat_template or ""):
         return {}  # a template that reads the clock renders when the record's own pass does
-    if any(s.train_spans == "generation" for s in sections):
-        return {}
     made: list[tuple[tuple[str, int], Part, list[dict] | None, str]] = []
     chars = 0
     for record in records:
