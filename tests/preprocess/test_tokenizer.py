@@ -166,9 +166,10 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
     assert render_ahead(clock, records) == {}  # rendered with its record, on the same date
 
 
-def _pairs(family: str) -> list[dict]:
+def _preference_records(preset: str) -> list[Record]:
     """Preference pairs as TRL writes them: explicit and implicit prompts, a multi-turn prompt
-    long enough to be cut, the standard (text) format, and bad pairs."""
+    long enough to be cut, the standard (text) format, bad pairs, and two records made by hand
+    under one name; as KTO completions, or as GRPO groups (their prompts are the chats)."""
     lines = (ROOT / "data" / "dpo_en_300.jsonl").read_bytes().splitlines()[:24]
     values = [orjson.loads(line) for line in lines]
     implicit = {k: v for k, v in values[0].items() if k != "prompt"}  # the replies repeat it
@@ -178,45 +179,62 @@ def _pairs(family: str) -> list[dict]:
     ]  # fmt: skip
     reply = [{"role": "assistant", "content": "A short reply."}]
     other = [{"role": "assistant", "content": "Another reply."}]
+    bad = [{"role": "assistant", "content": 3}]
     values += [
-        implicit,
+        implicit,  # line 25
         {"prompt": turns, "chosen": reply, "rejected": other},  # cut: the latest turns that fit
         {"prompt": "Say hi.", "chosen": " Hi!", "rejected": " No."},  # the standard format
         {"prompt": turns[:1], "chosen": reply, "rejected": reply},  # the same tokens
-        {"prompt": turns[:1], "chosen": [{"role": "assistant", "content": 3}], "rejected": other},
+        {"prompt": turns[:1], "chosen": bad, "rejected": other},
+        {"prompt": turns[:1], "chosen": reply, "rejected": bad},
         {"chosen": reply},
     ]
-    return values
-
-
-@pytest.mark.parametrize(
-    ("family", "preset"),
-    [("qwen2.5", "dpo"), ("qwen3", "dpo"), ("deepseek-v3", "dpo"), ("qwen2.5", "kto")],
-)
-def test_preference_pairs_rendered_ahead_in_one_batch_give_the_same_rows(
-    family, preset, monkeypatch
-):
-    """Every conversation of a preference record (each reply with its prompt, explicit or
-    implicit) is rendered and encoded with its chunk, in one batch: every array and every error
-    equals a record-by-record run's, through truncation's re-render and the text format."""
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # as in a run's workers
-    data = default_config(preset).model_dump(mode="json")
-    data["preprocessing"].update(max_seq_len=512)
-    config = PipelineConfig.from_dict(data)
-    values = _pairs(family)
     if preset == "kto":  # a prompt and one completion, labelled
         values = [
             {"prompt": v.get("prompt"), "completion": v.get("chosen"), "label": i % 2 == 0}
             for i, v in enumerate(values)
         ]
+    if preset == "grpo":  # a prompt and a group of text responses, with their rewards
+        values = [
+            {"prompt": v.get("prompt"), "responses": ["One.", "Two."], "rewards": [1.0, 0.0]}
+            for v in values
+        ]
     records = [Record("pairs.jsonl", i, value) for i, value in enumerate(values, 1)]
+    return records + [Record("<record>", 0, values[k]) for k in (1, 2)]  # one name, two records
+
+
+@pytest.mark.parametrize(
+    ("family", "preset"),
+    [
+        ("qwen2.5", "dpo"),
+        ("qwen3", "dpo"),
+        ("deepseek-v3", "dpo"),
+        ("qwen2.5", "kto"),
+        ("qwen3", "grpo"),
+    ],
+)
+def test_preference_records_rendered_ahead_in_one_batch_give_the_same_rows(
+    family, preset, monkeypatch
+):
+    """Every conversation of a preference record (each reply with its prompt, explicit or
+    implicit; a GRPO prompt with its generation prompt) is rendered and encoded with its chunk,
+    in one batch: every array, count and error equals a record-by-record run's, through
+    truncation's re-render, the text format and bad replies."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # as in a run's workers
+    data = default_config(preset).model_dump(mode="json")
+    data["preprocessing"].update(max_seq_len=512)
+    config = PipelineConfig.from_dict(data)
+    records = _preference_records(preset)
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
     ahead.rendered = render_ahead(ahead, records)
     conversations = 2 if preset == "dpo" else 1
-    for line in (1, 25, 26):  # an explicit prompt, an implicit one, a prompt to be cut
+    for line in (1, 25, 26) if preset != "grpo" else (1, 26):  # explicit, implicit, to be cut
         assert len(ahead.rendered[("pairs.jsonl", line)]) == conversations
     assert ("pairs.jsonl", 27) not in ahead.rendered  # text: rendered by the record's own pass
+    assert ("<record>", 0) not in ahead.rendered  # a name two records share
+    if preset == "dpo":  # a bad reply: the record renders on its own, and says why
+        assert not {("pairs.jsonl", 29), ("pairs.jsonl", 30)} & ahead.rendered.keys()
     alone = spans.encode_offsets
     encodes = {one: 0, ahead: 0}
 
@@ -228,18 +246,25 @@ def test_preference_pairs_rendered_ahead_in_one_batch_give_the_same_rows(
     for record in records:
         masker = one
         try:
-            expected = one.process_counted(record)[0]
+            expected, counts = one.process_counted(record)
         except RecordError as err:
             masker = ahead
-            with pytest.raises(RecordError, match=re.escape(err.message)):
+            with pytest.raises(RecordError, match=re.escape(err.message)) as raised:
                 ahead.process_counted(record)
+            assert raised.value.tokens == err.tokens
             continue
         masker = ahead
-        got = ahead.process_counted(record)[0]
-        assert got.keys() == expected.keys()
-        assert all(np.array_equal(got[k], expected[k]) for k in got)
+        got, got_counts = ahead.process_counted(record)
+        assert got.keys() == expected.keys() and got_counts == counts
+        assert all(_same(got[k], expected[k]) for k in got)
     assert encodes[ahead] <= encodes[one] - 24 * conversations
     assert not ahead.rendered  # every rendering made ahead was used
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, list):  # a group: one array per item
+        return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    return np.array_equal(a, b)
 
 
 def test_the_unnormalized_tokenizer_shares_the_model_and_its_added_tokens():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -217,9 +217,15 @@ def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[tuple[str,
         return {}  # a template that reads the clock renders when the record's own pass does
     made: list[tuple[tuple[str, int], Part, list[dict] | None, str]] = []
     chars = 0
+    # a (source, line) names one record of a chunk: records made by hand that share one are
+    # each rendered on their own
+    names = Counter((record.source, record.line) for record in records)
     for record in records:
         if chars > AHEAD_CHARS:  # the rest one at a time: long records' offsets take memory
             break
+        key = (record.source, record.line)
+        if names[key] > 1:
+            continue
         try:
             check_chars(record, config, 0, raw_chars(record, config))
             for part in masker.conversations(record):
@@ -227,8 +233,8 @@ def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[tuple[str,
                 tools = get_tools(record, section.tools_field)
                 render = Renderer(masker.bundle, tools, section.template_kwargs)
                 text = render(part.messages or [], section.generation_prompt)
-                made.append(((record.source, record.line), part, tools, text))
-                chars += len(made[-1][3])
+                made.append((key, part, tools, text))
+                chars += len(text)
         except Exception:  # noqa: BLE001 - reported by the record's own pass
             continue
     offsets = encode_offsets_batch(masker.bundle, [text for *_, text in made])

@@ -28,8 +28,8 @@ from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 from tokenmill.preprocess.truncation import Part, fit, resolve, shared_turns
 
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
-# a conversation rendered ahead (chunks.py): its first section, messages, tools, rendering and
-# offsets (None: not derived)
+# a conversation rendered ahead (chunks.py): its section (the last, as `_continue_chat` keeps
+# it), messages, tools, rendering and offsets (None: not derived)
 Ahead = tuple[Section, list[dict], "list[dict] | None", str, "TokenOffsets | None"]
 
 
@@ -392,11 +392,12 @@ class RecordMasker(OutputLayout):
         self, record: Record, section: Section, messages: list[dict], tools: list[dict] | None
     ) -> tuple[str, TokenOffsets | None] | None:
         """This conversation's rendering and offsets, where its chunk made them: a truncated
-        record's re-rendering (other messages) finds none."""
+        record's re-rendering (other messages) finds none. A (source, line) names one record
+        of a chunk (render_ahead leaves out a name two records share)."""
         key = (record.source, record.line)
         made = self.rendered.get(key, [])
-        for k, (first, *inputs, text, offsets) in enumerate(made):
-            if first is section and inputs == [messages, tools]:
+        for k, (made_for, *inputs, text, offsets) in enumerate(made):
+            if made_for is section and inputs == [messages, tools]:
                 del made[k]
                 if not made:
                     del self.rendered[key]
