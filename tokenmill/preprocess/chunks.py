@@ -23,8 +23,9 @@ from tokenmill.preprocess.fields import get_field, get_tools
 from tokenmill.preprocess.filters import FILTER_REASONS, check_chars, raw_chars
 from tokenmill.preprocess.inputs import InputPath
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.preprocess.masking import Ahead, RecordMasker
+from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
+from tokenmill.preprocess.parts import Ahead
 from tokenmill.preprocess.records import Record, RecordError, read_records
 from tokenmill.preprocess.token_offsets import added_table, encode_offsets_batch
 from tokenmill.preprocess.tokenizer import (
