@@ -14,6 +14,7 @@ import pytest
 from helpers import ROOT
 
 from tokenmill.preprocess.chat_template import Renderer, render_text
+from tokenmill.preprocess.mask_proof import ContentDropped
 from tokenmill.preprocess.spans import render_conversation
 from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
 
@@ -103,35 +104,57 @@ def _trained_runs(bundle, ids: np.ndarray, mask: np.ndarray) -> list[str]:
     ]
 
 
-def _expected_turn(family: str, messages: list[dict], k: int) -> str:
-    """The text assistant message k must train on: header, visible content, end-of-turn."""
+HEADER = {"qwen2.5": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n",
+          "deepseek-v3": "<｜Assistant｜>"}  # fmt: skip
+
+
+def _expected_turn(family: str, messages: list[dict], k: int, header: bool = False) -> str:
+    """The text assistant message k must train on: its visible content and end-of-turn, after
+    its role header where `header` (the older `roles` rule)."""
+    head = HEADER[family] if header else ""
     content = messages[k]["content"]
     if family == "deepseek-v3":
-        return f"<｜Assistant｜>{content}{DS_EOS}"
+        return f"{head}{content}{DS_EOS}"
     if family == "qwen2.5" or "</think>" not in content:
         if family == "qwen3" and k == len(messages) - 1:
-            return f"<|im_start|>assistant\n<think>\n\n</think>\n\n{content}<|im_end|>\n"
-        return f"<|im_start|>assistant\n{content}<|im_end|>\n"
+            return f"{head}<think>\n\n</think>\n\n{content}<|im_end|>\n"
+        return f"{head}{content}<|im_end|>\n"
     answer = content.split("</think>")[-1].lstrip("\n")
     reasoning = content.split("</think>")[0].split("<think>")[-1].strip("\n")
+    return f"{head}<think>\n{reasoning}\n</think>\n\n{answer}<|im_end|>\n"
+
+
+def _drops_reasoning(family: str, messages: list[dict]) -> bool:
+    """Whether the family's own template leaves out an assistant turn's reasoning: Qwen3 does
+    up to the last user turn."""
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
-    if k > last_user:  # Qwen3 keeps reasoning only after the last user turn
-        return f"<|im_start|>assistant\n<think>\n{reasoning}\n</think>\n\n{answer}<|im_end|>\n"
-    return f"<|im_start|>assistant\n{answer}<|im_end|>\n"
+    return family == "qwen3" and any(
+        "</think>" in m["content"] and k < last_user
+        for k, m in enumerate(messages)
+        if m["role"] == "assistant"
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("train_spans", ["turn", "roles"])
 def test_ids_match_transformers_and_mask_trains_exactly_the_assistant_turns(
-    family, bundles, oracles
+    family, train_spans, bundles, oracles
 ):
+    """The turn past its header trains (`turn`), or the whole span (`roles`); a template that
+    leaves out reasoning makes the record a ContentDropped, never a silently shorter row."""
     bundle = bundles[family]
     for n, messages in enumerate(CONVERSATIONS):
         actions = [m["role"] == "assistant" for m in messages]
-        ids, mask = render_conversation(bundle, messages, actions)
+        if _drops_reasoning(family, messages):
+            with pytest.raises(ContentDropped, match=r"its reasoning does not appear"):
+                render_conversation(bundle, messages, actions, train_spans=train_spans)
+            continue
+        ids, mask = render_conversation(bundle, messages, actions, train_spans=train_spans)
         assert ids.dtype == np.int32 and mask.dtype == bool and ids.shape == mask.shape
         assert ids.tolist() == _oracle_ids(oracles[family], messages), f"conversation {n}"
 
-        expected = [_expected_turn(family, messages, k) for k, a in enumerate(actions) if a]
+        header = train_spans == "roles"
+        expected = [_expected_turn(family, messages, k, header) for k, a in enumerate(actions) if a]
         assert _trained_runs(bundle, ids, mask) == expected, f"conversation {n}"
         text = bundle.tokenizer.decode(ids.tolist(), skip_special_tokens=False)
         if family == "deepseek-v3":
@@ -190,7 +213,9 @@ GOLDEN = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_golden_ids_and_mask(family, bundles):
-    ids, mask = render_conversation(bundles[family], GOLDEN_MESSAGES, [False, True, False, True])
+    """The older rule, pinned: the whole span of a trained message trains, header included."""
+    actions = [False, True, False, True]
+    ids, mask = render_conversation(bundles[family], GOLDEN_MESSAGES, actions, train_spans="roles")
     expected_ids, expected_mask = GOLDEN[family]
     assert ids.tolist() == expected_ids
     assert "".join("1" if m else "0" for m in mask) == expected_mask
@@ -216,8 +241,7 @@ def test_empty_content_gets_its_own_header_and_end_of_turn(bundles, oracles):
         {"role": "user", "content": "Now say hi."},
         {"role": "assistant", "content": "hi"},
     ]
-    for family, turn in [("qwen2.5", "<|im_start|>assistant\n{}<|im_end|>\n"),
-                         ("deepseek-v3", "<｜Assistant｜>{}" + DS_EOS)]:  # fmt: skip
+    for family, turn in [("qwen2.5", "{}<|im_end|>\n"), ("deepseek-v3", "{}" + DS_EOS)]:
         ids, mask = render_conversation(bundles[family], messages, [False, True, False, True])
         assert ids.tolist() == _oracle_ids(oracles[family], messages)
         assert _trained_runs(bundles[family], ids, mask) == [turn.format(""), turn.format("hi")]
@@ -276,7 +300,7 @@ def test_errors_name_the_file_or_the_message(tmp_path, bundles):
         chat_template="{% for m in messages %}{{ m.content | upper }}{% endfor %}",
     )
     messages = [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "yes"}]
-    with pytest.raises(ValueError, match=r"messages\[1\] \(role 'assistant'\): content not found"):
+    with pytest.raises(ContentDropped, match=r"messages\[1\] \(role 'assistant'\): its content does"):
         render_conversation(shouting, messages, [False, True])
     with pytest.raises(ValueError, match="2 values for 1 messages"):
         render_conversation(bundles["qwen2.5"], messages[:1], [False, True])
@@ -354,10 +378,8 @@ def test_content_that_looks_like_template_text_is_placed_exactly(family, content
     ids, mask = render_conversation(bundles[family], messages, [False, True])
     assert ids.tolist() == _oracle_ids(oracles[family], messages)
     end = "<|im_end|>\n" if "qwen" in family else DS_EOS
-    head = "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if family == "qwen3" else "")
-    assert _trained_runs(bundles[family], ids, mask) == [
-        (head if "qwen" in family else "<｜Assistant｜>") + "Sure" + end
-    ]
+    head = "<think>\n\n</think>\n\n" if family == "qwen3" else ""
+    assert _trained_runs(bundles[family], ids, mask) == [head + "Sure" + end]
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "deepseek-v3"])
@@ -380,11 +402,7 @@ def test_assistant_end_of_turn_trains_when_the_chat_ends_with_a_user_turn(family
     ]
     ids, mask = render_conversation(bundles[family], messages, [False, True, False])
     assert ids.tolist() == _oracle_ids(oracles[family], messages)
-    expected = (
-        "<｜Assistant｜>Hello" + DS_EOS
-        if family == "deepseek-v3"
-        else "<|im_start|>assistant\nHello<|im_end|>\n"
-    )
+    expected = "Hello" + DS_EOS if family == "deepseek-v3" else "Hello<|im_end|>\n"
     assert _trained_runs(bundles[family], ids, mask) == [expected]
 
 

@@ -14,9 +14,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from tokenmill.preprocess.packing import PackingStrategy, PositionIdsMode
+from tokenmill.preprocess.training_templates import TEMPLATES, resolve
 from tokenmill.shards.format import DtypeName, StorageFormat
 
 Action = Literal["train", "mask", "$role", "value"]
@@ -66,11 +75,28 @@ class Section(_Strict):
     optional: bool = Field(
         False, description="a record without this field (or with null) skips the section"
     )
-    train_spans: Literal["roles", "generation"] = Field(
-        "roles",
+    train_spans: Literal["turn", "roles", "generation"] = Field(
+        "turn",
         description=(
-            "what trains in a chat: roles (the action rule) or generation (exactly the"
-            " template's {% generation %} blocks, as transformers' return_assistant_tokens_mask)"
+            "what a trained message trains in a chat: turn (its content, tool calls and"
+            " end-of-turn; the role header masked, as TRL's training templates mark it), roles"
+            " (the whole span it adds to the rendering, header included: the older rule) or"
+            " generation (exactly the template's {% generation %} blocks, as transformers'"
+            " return_assistant_tokens_mask)"
+        ),
+    )
+    train_turns: Literal["all", "last"] = Field(
+        "all",
+        description=(
+            "which trained messages train: all, or only the last one (earlier turns masked, as"
+            " LLaMA-Factory's mask_history)"
+        ),
+    )
+    message_train_field: str | None = Field(
+        "train",
+        description=(
+            "message key whose true/false overrides its role's action (axolotl's"
+            " message_field_training); null: roles alone decide"
         ),
     )
     tools_field: str | None = Field(
@@ -92,6 +118,8 @@ class Section(_Strict):
             raise ValueError("generation_prompt needs template: true")
         if self.train_spans == "generation" and not self.template:
             raise ValueError("train_spans: generation needs template: true")
+        if self.train_spans == "generation" and self.train_turns != "all":
+            raise ValueError("train_turns: the template's generation blocks decide what trains")
         return self
 
 
@@ -222,6 +250,14 @@ class PipelineConfig(_Strict):
     mask_default: RoleAction = Field(
         "mask", description="action of a known role not listed in `mask`"
     )
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "the chat template to render with, in place of the tokenizer folder's own: a Jinja"
+            " file (relative to the config file) or a shipped training template"
+            f" ({', '.join(TEMPLATES)})"
+        ),
+    )
     preprocessing: Preprocessing = Field(
         default_factory=Preprocessing, description="lengths, filters, packing"
     )
@@ -237,6 +273,12 @@ class PipelineConfig(_Strict):
                 raise ValueError("role names must be non-empty strings")
         return mask
 
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None, info: ValidationInfo) -> str | None:
+        base = (info.context or {}).get("base")
+        return None if value is None else resolve(value, base)
+
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         if self.preprocessing.min_chars > self.preprocessing.max_chars:
@@ -245,9 +287,11 @@ class PipelineConfig(_Strict):
 
     # --- construction -------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Any, origin: str = "config") -> PipelineConfig:
+    def from_dict(
+        cls, data: Any, origin: str = "config", base: Path | None = None
+    ) -> PipelineConfig:
         try:
-            return cls.model_validate(data)
+            return cls.model_validate(data, context={"base": base})
         except ValidationError as err:
             raise ConfigError(format_errors(err, origin)) from None
 
@@ -263,7 +307,7 @@ class PipelineConfig(_Strict):
             ) from None
         if isinstance(data, dict):
             data = {k: v for k, v in data.items() if k != "tokenizer_path"}
-        return cls.from_dict(data, origin=str(path))
+        return cls.from_dict(data, origin=str(path), base=path.parent)
 
     # --- derived facts ----------------------------------------------------------------
     @property

@@ -17,12 +17,14 @@ import numpy as np
 from tokenmill.preprocess.chat_template import has_generation_blocks
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.fields import check_messages, get_field, get_tools
+from tokenmill.preprocess.mask_proof import ContentDropped, MaskUnproven
 from tokenmill.preprocess.ledger import Tally
 from tokenmill.preprocess.preference import as_text, is_standard
 from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.spans import masked_rendering
 from tokenmill.preprocess.token_offsets import TokenOffsets
 from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
+from tokenmill.preprocess.training_templates import template_name, with_chat_template
 from tokenmill.preprocess.truncation import Part
 
 # a conversation rendered ahead (chunks.py): its section (the last, as `_continue_chat` keeps
@@ -40,7 +42,8 @@ class PartMaker:
 
     def __init__(self, config: PipelineConfig, bundle: TokenizerBundle):
         self.config = config
-        self.bundle = bundle
+        self.bundle = with_chat_template(bundle, config.chat_template)
+        bundle = self.bundle
         self.roles = config.known_roles()
         self.encoded: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
         # (source, line) -> the record's conversations rendered ahead, each used once: chunks.py
@@ -87,7 +90,7 @@ class PartMaker:
     ) -> Part:
         """A chat section's messages and actions, not rendered yet (no ids)."""
         messages = check_messages(record, field, value, self.roles)
-        actions = self._actions(section, messages)
+        actions = self._actions(record, section, field, messages)
         tally.chars += sum(len(m["content"] or "") for m in messages)
         empty = np.empty(0, dtype=np.int32)
         return Part(section, field, first, empty, empty.astype(bool), messages, actions)
@@ -99,7 +102,7 @@ class PartMaker:
         yet. Messages that repeat the conversation so far (a reply given with its prompt) are
         not doubled."""
         messages = check_messages(record, section.field, value, self.roles)
-        actions = self._actions(section, messages)
+        actions = self._actions(record, section, section.field, messages)
         before = part.messages or []
         if messages[: len(before)] == before:
             messages, actions = messages[len(before) :], actions[len(before) :]
@@ -109,15 +112,32 @@ class PartMaker:
 
     def _rendered(self, record: Record, part: Part, tally: Tally) -> Part:
         """A chat part with its tokens and mask: one rendering of all its messages."""
-        messages, actions = part.messages or [], part.actions or []
+        messages, actions = part.messages or [], list(part.actions or [])
+        if part.section.train_turns == "last" and any(actions):
+            last = max(k for k, trains in enumerate(actions) if trains)
+            actions = [k == last for k in range(len(actions))]
         ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
         tally.tokens += len(ids)
         return replace(part, ids=ids, mask=mask)
 
-    def _actions(self, section: Section, messages: list[dict]) -> list[bool]:
+    def _actions(
+        self, record: Record, section: Section, field: str, messages: list[dict]
+    ) -> list[bool]:
+        """Each message's action: its role's (`$role`) or the section's, unless the message
+        says otherwise in its `message_train_field` (true or false)."""
         if section.action == "$role":
-            return [self.config.role_trains(m["role"]) for m in messages]
-        return [section.action == "train"] * len(messages)
+            actions = [self.config.role_trains(m["role"]) for m in messages]
+        else:
+            actions = [section.action == "train"] * len(messages)
+        flag = section.message_train_field
+        for k, message in enumerate(messages if flag else []):
+            value = message.get(flag)
+            if value is not None and not isinstance(value, bool):
+                where = f"{field}[{k}].{flag}"
+                expected = f"expected true or false, got {value!r}"
+                raise RecordError(record.source, record.line, where, expected, "wrong_type")
+            actions[k] = actions[k] if value is None else value
+        return actions
 
     def _one(
         self,
@@ -176,8 +196,12 @@ class PartMaker:
         try:
             ids, mask = masked_rendering(
                 self.bundle, messages, actions, section.generation_prompt, tools,
-                section.template_kwargs, section.train_spans == "generation", ahead,
+                section.template_kwargs, section.train_spans, ahead,
             )  # fmt: skip
+        except (MaskUnproven, ContentDropped) as err:
+            name = template_name(self.bundle, self.config.chat_template)
+            message = f"{err} (chat template: {name})"
+            raise RecordError(record.source, record.line, field, message, err.reason) from None
         except (
             ValueError,
             TypeError,

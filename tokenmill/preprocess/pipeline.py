@@ -38,6 +38,7 @@ from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import ON_ERROR, RecordError
 from tokenmill.preprocess.runlog import Journal, ResumeState, Summary, output_lock
 from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.preprocess.training_templates import template_identity
 from tokenmill.preprocess.upload import BucketOutput
 from tokenmill.shards.files import write_atomic
 from tokenmill.shards.format import RUN_DIR, natural_key
@@ -258,11 +259,10 @@ class Pipeline:
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:
-        return _sha256(
-            orjson.dumps(
-                [self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]
-            ).decode()
-        )
+        identity = [self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]
+        if self.config.chat_template is not None:  # the file's text, not only its path
+            identity.append(template_identity(load_tokenizer(self.tokenizer_path), self.config.chat_template))
+        return _sha256(orjson.dumps(identity).decode())
 
     def _prepare_output(self, run_id: str, inputs: list[list]) -> Summary | None:
         """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""
@@ -317,6 +317,7 @@ class Pipeline:
             "tokenizer_fingerprint": tokenizer_fp,
             "config_fingerprint": config_fp,
             "tokenizer_path": self.tokenizer_path,
+            "chat_template": template_identity(masker.bundle, self.config.chat_template),
             "run_id": run_id,
             "config": self.config.model_dump(mode="json"),
             "keys": masker.dtypes(),

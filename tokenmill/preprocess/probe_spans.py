@@ -14,6 +14,7 @@ import numpy as np
 
 from tokenmill.preprocess.chat_template import Renderer
 from tokenmill.preprocess.content_spans import CONTENT_MARK
+from tokenmill.preprocess.mask_proof import find_item, message_items
 from tokenmill.preprocess.token_offsets import TokenOffsets
 
 
@@ -72,16 +73,20 @@ def _snap(at: int, token_starts: np.ndarray, token_ends: np.ndarray, control: np
 
 
 def header_opener(render: Renderer) -> str | None:
-    """The text that opens every header (`<|im_start|>`), from two one-message renderings:
-    what they share before their roles part, back to where the last line or token began."""
-    try:
-        user = render.probe([{"role": "user", "content": "\ue000"}], False)
-        assistant = render.probe([{"role": "assistant", "content": "\ue000"}], False)
-    except Exception:
-        return None
-    shared = os.path.commonprefix([user, assistant])
-    opener = re.findall(r"<[^<>]*>$|<\|[^|]*\|>$", shared)
-    return opener[0] if opener else None
+    """The text that opens every header (`<|im_start|>`), from two renderings whose last
+    message's role differs: what they share before their roles part, back to where the last
+    token began. One message first; after a user message where the template refuses a lone
+    assistant (Qwen3.5 wants a user query)."""
+    for before in ([], [{"role": "user", "content": "\ue002"}]):
+        try:
+            user = render.probe([*before, {"role": "user", "content": "\ue000"}], False)
+            assistant = render.probe([*before, {"role": "assistant", "content": "\ue000"}], False)
+        except Exception:
+            continue
+        shared = os.path.commonprefix([user, assistant])
+        opener = re.findall(r"<[^<>]*>$|<\|[^|]*\|>$", shared)
+        return opener[0] if opener else None
+    return None
 
 
 def _past_tool_markup(
@@ -98,3 +103,73 @@ def _past_tool_markup(
         at = int(token_ends[token])
         token += 1
     return at
+
+
+def assistant_header(render: Renderer) -> str:
+    """The text that opens an assistant turn (`<|im_start|>assistant\\n`, `<｜Assistant｜>`): what
+    the model is prompted with and never writes, so it is not trained. It is the longest end of
+    the text between a user's content and the next assistant's content that the generation
+    prompt starts with; "" where the template shows none."""
+
+    def compute() -> str:
+        marks = [CONTENT_MARK.format(k) for k in range(3)]
+        roles = ("user", "assistant", "user")
+        chat = [{"role": role, "content": mark} for role, mark in zip(roles, marks)]
+        try:
+            probe = render.probe(chat, False)
+            closed, opened = render.probe(chat[:1], False), render.probe(chat[:1], True)
+        except Exception:  # a template refusing that shape: no header to leave out
+            return ""
+        after, before = probe.find(marks[0]), probe.find(marks[1])
+        if after < 0 or before < after or not opened.startswith(closed):
+            return ""
+        glue, prompt = probe[after + len(marks[0]) : before], opened[len(closed) :]
+        return next((glue[i:] for i in range(len(glue)) if prompt.startswith(glue[i:])), "")
+
+    return render.by_shape("assistant header", "header", compute)
+
+
+def anchored_starts(
+    text: str, messages: list[dict], actions: list[bool], opener: str, limit: int
+) -> list[int] | None:
+    """Where each message starts, read from the real rendering alone: each message's own text
+    (mask_proof.message_items) is found in order, and the message starts at the last header
+    opening (`<|im_start|>`) before it. A message with no text of its own takes an opening
+    between its neighbours'. None where the openings do not tell: too few of them, or none
+    between a trained and an untrained message."""
+    regions: list[tuple[int, int] | None] = []
+    cursor = 0
+    for message in messages:
+        first = None
+        for _, forms in message_items(message):
+            hit = find_item(text, forms, cursor, limit)
+            if hit is None:
+                return None
+            first = hit[0] if first is None else first
+            cursor = hit[1]
+        regions.append(None if first is None else (first, cursor))
+    starts: list[int] = []
+    end, waiting = 0, []  # where the last placed message's text ends; messages not yet placed
+    for k, region in enumerate([*regions, (limit, limit)]):
+        waiting.append(k)
+        if region is None:
+            continue
+        openings = _all(text, opener, end, region[0])
+        placed = [k for k in waiting if k < len(messages)]
+        if len(openings) >= len(placed):
+            starts += openings[len(openings) - len(placed) :]
+        elif len(placed) == 1 and actions[k] == (actions[k - 1] if k else False):
+            starts.append(end)  # folded turns (tool results in one block) of one action
+        else:
+            return None
+        end, waiting = region[1], []
+    return starts
+
+
+def _all(text: str, sub: str, start: int, end: int) -> list[int]:
+    """Every place `sub` starts in text[start:end]."""
+    found, at = [], text.find(sub, start, end)
+    while at >= 0:
+        found.append(at)
+        at = text.find(sub, at + 1, end)
+    return found

@@ -36,7 +36,7 @@ from tokenmill.preprocess.inputs import (
 REASONS = (
     "bad_json", "bad_utf8", "not_object", "missing_field", "wrong_type", "empty", "unknown_role",
     "no_trained_tokens", "bad_value", "template_error", "too_short", "too_long",
-    "identical_pair", "truncated_file", "corrupt_file",
+    "identical_pair", "truncated_file", "corrupt_file", "mask_unproven", "content_dropped",
 )  # fmt: skip
 
 

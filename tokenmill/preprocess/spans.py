@@ -9,15 +9,26 @@ each chat section of a record.
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 from tokenmill.preprocess.chat_template import Renderer, render_generation_spans
 from tokenmill.preprocess.content_spans import content_starts
-from tokenmill.preprocess.probe_spans import header_opener, prefix_starts
+from tokenmill.preprocess.mask_proof import MaskUnproven, dropped, prove
+from tokenmill.preprocess.probe_spans import (
+    anchored_starts,
+    assistant_header,
+    header_opener,
+    prefix_starts,
+)
 from tokenmill.preprocess.token_offsets import TokenOffsets, encode_offsets
 from tokenmill.preprocess.tokenizer import TokenizerBundle
+
+# What trains in a trained message: its turn past the role header (content, tool calls and
+# end-of-turn, as TRL's training templates mark them), its whole span (the older rule), or
+# exactly the template's `{% generation %}` blocks.
+TrainSpans = Literal["turn", "roles", "generation"]
 
 
 def render_conversation(
@@ -27,17 +38,20 @@ def render_conversation(
     add_generation_prompt: bool = False,
     tools: list[dict] | None = None,
     template_kwargs: dict[str, Any] | None = None,
-    generation: bool = False,
+    train_spans: TrainSpans = "turn",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ids (int32) of the full rendering and its loss mask (True = trained).
 
-    Message k's span runs from its header to the next message's header; each token takes
-    `actions[k]` of the span holding its first character. BOS and the generation prompt
-    are never trained. `tools` and `template_kwargs` (`enable_thinking`, ...) reach the
-    template as transformers' `apply_chat_template` passes them.
+    Message k's span runs from its header to the next message's header; a message whose
+    `actions[k]` is True trains its span, less its role header under `train_spans="turn"` (the
+    content, tool calls and end-of-turn train), all of it under `"roles"`. BOS and the
+    generation prompt never train. Every record's spans are proven against its rendering
+    (mask_proof.py): MaskUnproven or ContentDropped otherwise. `tools` and `template_kwargs`
+    (`enable_thinking`, ...) reach the template as transformers' `apply_chat_template` passes
+    them.
     """
     return masked_rendering(
-        bundle, messages, actions, add_generation_prompt, tools, template_kwargs, generation
+        bundle, messages, actions, add_generation_prompt, tools, template_kwargs, train_spans
     )
 
 
@@ -48,15 +62,16 @@ def masked_rendering(
     add_generation_prompt: bool,
     tools: list[dict] | None,
     template_kwargs: dict[str, Any] | None,
-    generation: bool,
+    train_spans: TrainSpans,
     ahead: tuple[str, TokenOffsets | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`render_conversation`, given its rendering and the rendering's offsets (None where they
     are not derived) where `ahead` holds them: made with the record's chunk (chunks.py)."""
-    if generation:  # the template marks what trains: `{% generation %}` blocks, not roles
+    if train_spans == "generation":  # the template marks what trains: `{% generation %}` blocks
         text, spans = render_generation_spans(
             bundle, messages, add_generation_prompt, tools, **(template_kwargs or {})
         )
+        dropped(text, messages, tools)
         offsets = encode_offsets(bundle, text)
         mask = np.zeros(len(offsets.ids), dtype=bool)
         for a, b in spans:
@@ -72,6 +87,32 @@ def masked_rendering(
         if text.startswith(closed):
             prompt_start = len(closed)
     offsets = encode_offsets(bundle, text) if made is None else made
+    dropped(text, messages, tools)
+    header = assistant_header(render) if train_spans == "turn" else ""
+    span_starts = _probed_starts(render, bundle, messages, actions, text, prompt_start, offsets)
+    try:
+        mask = _proven_mask(text, messages, actions, span_starts, prompt_start, offsets, header)
+    except MaskUnproven:
+        # a template that renders by content (Qwen3.5 finds its last query by its text) can
+        # fool the probes: the message's own text in the real rendering places it instead
+        opener = header_opener(render)
+        anchored = anchored_starts(text, messages, actions, opener, prompt_start) if opener else None
+        if anchored is None:
+            raise
+        mask = _proven_mask(text, messages, actions, anchored, prompt_start, offsets, header)
+    return _with_bos(bundle, offsets.ids, mask)
+
+
+def _probed_starts(
+    render: Renderer,
+    bundle: TokenizerBundle,
+    messages: list[dict],
+    actions: list[bool],
+    text: str,
+    prompt_start: int,
+    offsets: TokenOffsets,
+) -> list[int]:
+    """Where each message's span starts, as probe renderings of the template place it."""
     tooling = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
     opener = header_opener(render) if tooling else None
     if opener:  # tool calls and results: each message's span is what it adds to the rendering
@@ -79,38 +120,50 @@ def masked_rendering(
         # message 0 starts at its header: the preamble before it (a default system prompt,
         # the tools block) is never trained
         head = text.rfind(opener, 0, later[0] if later else prompt_start)
-        span_starts = [max(head, 0), *later]
-    else:
-        try:
-            span_starts = content_starts(
-                render, bundle, messages, actions, text, prompt_start, offsets,
-                add_generation_prompt,
-            )  # fmt: skip
-        except ValueError:
-            if not tooling:
-                raise
-            span_starts = [0] * len(messages)  # message 0 owns the preamble: never trained
-        if tooling:  # no header opening to find (DeepSeek): the prefix probes alone
-            span_starts[1:] = prefix_starts(render, messages, text, span_starts[0], offsets, None)
-    return _with_bos(bundle, offsets.ids, _span_mask(offsets, span_starts, actions, prompt_start))
+        return [max(head, 0), *later]
+    add_generation_prompt = prompt_start < len(text)
+    try:
+        span_starts = content_starts(
+            render, bundle, messages, actions, text, prompt_start, offsets, add_generation_prompt
+        )
+    except ValueError:
+        if not tooling:
+            raise
+        span_starts = [0] * len(messages)  # message 0 owns the preamble: never trained
+    if tooling:  # no header opening to find (DeepSeek): the prefix probes alone
+        span_starts[1:] = prefix_starts(render, messages, text, span_starts[0], offsets, None)
+    return span_starts
 
 
-def _span_mask(
-    offsets: TokenOffsets, span_starts: list[int], actions: list[bool], prompt_start: int
+def _proven_mask(
+    text: str,
+    messages: list[dict],
+    actions: list[bool],
+    span_starts: list[int],
+    prompt_start: int,
+    offsets: TokenOffsets,
+    header: str,
 ) -> np.ndarray:
-    """Each token takes the action of the span holding its first character (span 0, the
-    template's preamble, never trains); the generation prompt never trains. Spans in order
-    are token ranges, found by binary search; otherwise every token is looked up."""
-    starts = [0, *span_starts]
-    if any(a > b for a, b in pairwise(starts)):
-        owner = np.searchsorted(starts, offsets.starts, side="right") - 1
-        return np.asarray([False, *actions], dtype=bool)[owner] & (offsets.starts < prompt_start)
+    """The mask of these spans, proven (mask_proof.py). Message k's span runs to the next
+    one's start (the last to the generation prompt); a trained assistant message trains its
+    span past `header` (the role header, where the span opens with it); each token takes the
+    action of the span holding its first character; the preamble before message 0 and the
+    generation prompt never train."""
+    ends = [*span_starts[1:], prompt_start]
+    spans = list(zip(span_starts, ends))
+    trained = [
+        (start + len(header), end)
+        if header and message.get("role") == "assistant" and text.startswith(header, start)
+        else (start, end)
+        for message, (start, end) in zip(messages, spans)
+    ]
     mask = np.zeros(len(offsets.ids), dtype=bool)
-    *bounds, prompt = offsets.counts_before([*span_starts, prompt_start])
-    for trains, first, end in zip(actions, bounds, [*bounds[1:], len(mask)]):
-        if trains:
-            mask[first:end] = True
-    mask[prompt:] = False
+    if all(a <= b for a, b in spans) and all(b <= c for (_, b), (c, _) in pairwise(spans)):
+        bounds = offsets.counts_before([x for span in trained for x in span])
+        for trains, first, end in zip(actions, bounds[0::2], bounds[1::2]):
+            if trains:
+                mask[first:end] = True
+    prove(text, messages, actions, spans, trained, offsets, mask)
     return mask
 
 

@@ -1,0 +1,149 @@
+"""The mask proof: every message's own text found in the one real rendering, inside its own span,
+and trained exactly as its action says.
+
+Span finders read the template through probe renderings (marker contents, prefixes), which a
+template that looks at contents can render differently from the real conversation. The proof
+reads only the real rendering: what a message says (its content, its reasoning, each tool call's
+name and string arguments) must lie in the span given to it, in its trained part where it trains;
+otherwise the record is refused by name (`mask_unproven`), never written with a guessed mask.
+What a message says and the rendering does not show at all was dropped by the template
+(`content_dropped`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from tokenmill.preprocess.token_offsets import TokenOffsets
+
+# Names a message's reasoning arrives under (as chat_template.py hands them to templates).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class MaskUnproven(ValueError):
+    """A message's text lies outside its span, or its tokens are not trained as its role says."""
+
+    reason = "mask_unproven"
+
+
+class ContentDropped(ValueError):
+    """A message's content, reasoning or tool call does not appear in the rendering at all."""
+
+    reason = "content_dropped"
+
+
+Item = tuple[str, list[str]]  # (what it is, for errors; the forms a template may show it in)
+
+
+def message_items(message: dict) -> list[Item]:
+    """What of a message must show in its rendering, in the order templates write it: its
+    reasoning (a field, or `<think>...</think>` in the content), its content (the answer
+    after the reasoning), each tool call's name, then its string arguments."""
+    items: list[Item] = []
+    content = message.get("content")
+    content = content if isinstance(content, str) else ""
+    reasoning = next((message[f] for f in REASONING_FIELDS if message.get(f) is not None), None)
+    if "</think>" in content and reasoning is None:
+        head, content = content.split("</think>", 1)[0], content.split("</think>")[-1]
+        reasoning = head.split("<think>")[-1]
+    if isinstance(reasoning, str) and reasoning.strip():
+        items.append(("reasoning", _forms(reasoning)))
+    if content.strip():
+        items.append(("content", _forms(content)))
+    for j, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        function = function if isinstance(function, dict) else {}
+        name = function.get("name")
+        if isinstance(name, str) and name:
+            items.append((f"tool_calls[{j}].name", [name]))
+        for key, value in _arguments(function.get("arguments")):
+            items.append((f"tool_calls[{j}].arguments.{key}", [key]))
+            if isinstance(value, str) and value.strip():
+                items.append((f"tool_calls[{j}].arguments.{key}", _forms(value, escaped=True)))
+    return items
+
+
+def _arguments(arguments: Any) -> list[tuple[str, Any]]:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return []
+    if not isinstance(arguments, dict):
+        return []
+    return [(key, value) for key, value in arguments.items() if isinstance(key, str)]
+
+
+def _forms(text: str, escaped: bool = False) -> list[str]:
+    """A text as templates show it: as given, trimmed, and (for tool arguments) JSON-escaped."""
+    forms = [text, text.strip(), text.strip("\n"), text.lstrip("\n")]
+    if escaped:
+        once = json.dumps(text, ensure_ascii=False)[1:-1]
+        forms += [once, json.dumps(text)[1:-1], json.dumps(once, ensure_ascii=False)[1:-1]]
+    return list(dict.fromkeys(f for f in forms if f))
+
+
+def find_item(text: str, forms: list[str], start: int, end: int) -> tuple[int, int] | None:
+    """(start, end) of the first form found in text[start:end]; None if none is there."""
+    for form in forms:
+        at = text.find(form, start, end)
+        if at >= 0:
+            return at, at + len(form)
+    return None
+
+
+def dropped(text: str, messages: list[dict], tools: list[dict] | None) -> None:
+    """Raise ContentDropped for the first message item (or tool schema) the rendering lacks."""
+    for k, message in enumerate(messages):
+        for what, forms in message_items(message):
+            if find_item(text, forms, 0, len(text)) is None:
+                raise ContentDropped(
+                    f"messages[{k}] (role {message.get('role')!r}): its {what} does not appear "
+                    "in the rendering: the chat template drops it"
+                )
+    for j, tool in enumerate(tools or []):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if isinstance(name, str) and name and name not in text:
+            raise ContentDropped(
+                f"tools[{j}] ({name!r}) does not appear in the rendering: the chat template "
+                "ignores the tools list"
+            )
+
+
+def prove(
+    text: str,
+    messages: list[dict],
+    actions: list[bool],
+    spans: list[tuple[int, int]],
+    trained: list[tuple[int, int]],
+    offsets: TokenOffsets,
+    mask: np.ndarray,
+) -> None:
+    """Raise MaskUnproven unless the spans tile the rendering in order and each message's items
+    lie in its own span (in `trained[k]`, its trained part, where it trains), with the tokens
+    that start inside them trained exactly when the message trains."""
+    previous = 0
+    for k, (start, end) in enumerate(spans):
+        if start < previous or end < start:
+            raise MaskUnproven(f"messages[{k}]: its span [{start}, {end}) is out of order")
+        previous = end
+    for k, message in enumerate(messages):
+        start, end = trained[k] if actions[k] else spans[k]
+        for what, forms in message_items(message):
+            hit = find_item(text, forms, start, end)
+            if hit is None:
+                where = "trained part of its turn" if actions[k] else "span"
+                raise MaskUnproven(
+                    f"messages[{k}] (role {message.get('role')!r}): its {what} is not inside the "
+                    f"{where} the template's probes gave it"
+                )
+            first, last = offsets.counts_before([hit[0], hit[1]])
+            if first < last and not np.all(mask[first:last] == actions[k]):
+                state = "masked" if actions[k] else "trained"
+                raise MaskUnproven(
+                    f"messages[{k}] (role {message.get('role')!r}): tokens of its {what} are {state}"
+                )
