@@ -80,10 +80,7 @@ def test_dpo_masks_train_only_the_assistant_turn():
         trained = QWEN.tokenizer.decode(
             [i for i, m in zip(ids, mask) if m], skip_special_tokens=False
         )
-        assert (
-            trained
-            == "<|im_start|>assistant\n" + ("Blue." if key == "chosen" else "No.") + "<|im_end|>\n"
-        )
+        assert trained == ("Blue." if key == "chosen" else "No.") + "<|im_end|>\n"
 
 
 def test_mask_config_changes_which_roles_train():

@@ -300,7 +300,9 @@ def test_errors_name_the_file_or_the_message(tmp_path, bundles):
         chat_template="{% for m in messages %}{{ m.content | upper }}{% endfor %}",
     )
     messages = [{"role": "user", "content": "HI"}, {"role": "assistant", "content": "yes"}]
-    with pytest.raises(ContentDropped, match=r"messages\[1\] \(role 'assistant'\): its content does"):
+    with pytest.raises(
+        ContentDropped, match=r"messages\[1\] \(role 'assistant'\): its content does"
+    ):
         render_conversation(shouting, messages, [False, True])
     with pytest.raises(ValueError, match="2 values for 1 messages"):
         render_conversation(bundles["qwen2.5"], messages[:1], [False, True])

@@ -193,16 +193,20 @@ def test_sft_loss_mask_is_aligned_with_targets(shards: dict[str, Path], tokenize
     item = ds[0]
     assert item["loss_mask"].dtype == torch.bool and item["position_ids"].dtype == torch.long
     assert item["position_ids"].tolist() == list(range(WINDOW))  # first record starts the stream
-    # a target that opens a turn: trained for the assistant (its header is in its span), not for the user
+    # a target that opens a turn never trains: the role header is masked (train_spans: turn);
+    # the assistant's first content token, three targets on, trains
     assistant = tokenizer.token_to_id("assistant")
     opened = {}
     for i in range(len(ds)):
         item = ds[i]
         targets, mask = item["target_ids"].tolist(), item["loss_mask"].tolist()
         for k in range(WINDOW - 1):
-            if targets[k] == IM_START:
-                opened.setdefault(targets[k + 1] == assistant, set()).add(mask[k])
-    assert opened == {True: {True}, False: {False}}
+            if targets[k] == IM_START and k + 3 < WINDOW:
+                is_assistant = targets[k + 1] == assistant
+                opened.setdefault(is_assistant, set()).update(mask[k : k + 3])
+                if is_assistant:
+                    opened.setdefault("content", set()).add(mask[k + 3])
+    assert opened == {True: {False}, False: {False}, "content": {True}}
 
 
 def test_dpo_items_and_truncation_keep_the_start(shards: dict[str, Path]):

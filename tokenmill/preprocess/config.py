@@ -314,6 +314,11 @@ class PipelineConfig(_Strict):
     def multi_output(self) -> bool:
         return bool(self.input.sources)
 
+    def all_sections(self) -> list[Section]:
+        """Every section: the single output's, then each source's."""
+        sources = (self.input.sources or {}).values()
+        return [*self.input.sections, *(s for source in sources for s in source.sections)]
+
     def role_trains(self, role: str) -> bool:
         return self.mask.get(role, self.mask_default) == "train"
 

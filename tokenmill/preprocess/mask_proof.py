@@ -122,14 +122,34 @@ def prove(
     trained: list[tuple[int, int]],
     offsets: TokenOffsets,
     mask: np.ndarray,
+    opener: str | None,
 ) -> None:
-    """Raise MaskUnproven unless the spans tile the rendering in order and each message's items
-    lie in its own span (in `trained[k]`, its trained part, where it trains), with the tokens
-    that start inside them trained exactly when the message trains."""
+    """Raise MaskUnproven unless the spans tile the rendered tokens in order, each message's
+    items lie in its own span (in `trained[k]`, its trained part, where it trains) with the
+    tokens that start inside them trained exactly when the message trains, and every span
+    beside a trained one opens a turn: at a header opening (`opener`, `<|im_start|>`), or,
+    for a template without one, beside a control token (`<｜Assistant｜>`)."""
     previous = 0
+    starts = [start for start, _ in spans]
+    tokens = offsets.counts_before(starts)
+    token_starts = offsets.starts_at(starts)
     for k, (start, end) in enumerate(spans):
         if start < previous or end < start:
             raise MaskUnproven(f"messages[{k}]: its span [{start}, {end}) is out of order")
+        beside_trained = actions[k] or (k > 0 and actions[k - 1])
+        if beside_trained and 0 < start < len(text) and token_starts[k] != start:
+            raise MaskUnproven(f"messages[{k}]: its span starts inside a token")
+        if k > 0 and beside_trained and start < len(text):
+            control = offsets.is_control
+            if opener is not None:
+                opens = text.startswith(opener, start)
+            else:  # beside a control token, where the template writes any
+                opens = not control.any() or bool(control[tokens[k]])
+                opens = opens or bool(tokens[k] and control[tokens[k] - 1])
+            if not opens:
+                raise MaskUnproven(
+                    f"messages[{k}] (role {messages[k].get('role')!r}): its span does not open a turn"
+                )
         previous = end
     for k, message in enumerate(messages):
         start, end = trained[k] if actions[k] else spans[k]

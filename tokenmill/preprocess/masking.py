@@ -227,6 +227,7 @@ class RecordMasker(OutputLayout, PartMaker):
         return fit(
             parts, self.config.preprocessing.max_seq_len, self.truncation(sections),
             can_train(sections), self.bundle.bos_id, self._rerender(record), tally,
+            self.header_ids,
         )  # fmt: skip
 
     def _shared_turns(

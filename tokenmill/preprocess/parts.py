@@ -14,15 +14,16 @@ from typing import Any
 import jinja2
 import numpy as np
 
-from tokenmill.preprocess.chat_template import has_generation_blocks
+from tokenmill.preprocess.chat_template import Renderer, has_generation_blocks
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.fields import check_messages, get_field, get_tools
-from tokenmill.preprocess.mask_proof import ContentDropped, MaskUnproven
 from tokenmill.preprocess.ledger import Tally
+from tokenmill.preprocess.mask_proof import ContentDropped, MaskUnproven
 from tokenmill.preprocess.preference import as_text, is_standard
+from tokenmill.preprocess.probe_spans import assistant_header
 from tokenmill.preprocess.records import Record, RecordError
 from tokenmill.preprocess.spans import masked_rendering
-from tokenmill.preprocess.token_offsets import TokenOffsets
+from tokenmill.preprocess.token_offsets import TokenOffsets, encode_offsets
 from tokenmill.preprocess.tokenizer import TokenizerBundle, encode_text
 from tokenmill.preprocess.training_templates import template_name, with_chat_template
 from tokenmill.preprocess.truncation import Part
@@ -42,14 +43,18 @@ class PartMaker:
 
     def __init__(self, config: PipelineConfig, bundle: TokenizerBundle):
         self.config = config
+        sections = config.all_sections()
         self.bundle = with_chat_template(bundle, config.chat_template)
         bundle = self.bundle
+        # the ids of the assistant's role header, which a cut prompt keeps with its reply
+        self.header_ids: tuple[int, ...] = ()
+        if bundle.chat_template and any(s.template and s.train_spans == "turn" for s in sections):
+            header = assistant_header(Renderer(bundle))
+            self.header_ids = tuple(encode_offsets(bundle, header).ids.tolist()) if header else ()
         self.roles = config.known_roles()
         self.encoded: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
         # (source, line) -> the record's conversations rendered ahead, each used once: chunks.py
         self.rendered: dict[tuple[str, int], list[Ahead]] = {}
-        sections = [*config.input.sections]
-        sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
         if any(s.train_spans == "generation" for s in sections):
             if not has_generation_blocks(bundle.chat_template):
                 raise ValueError(

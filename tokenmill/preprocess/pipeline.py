@@ -259,9 +259,10 @@ class Pipeline:
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:
-        identity = [self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]
+        identity: list[Any] = [self.config.canonical_json(), tokenizer_fp, self.on_error, inputs]
         if self.config.chat_template is not None:  # the file's text, not only its path
-            identity.append(template_identity(load_tokenizer(self.tokenizer_path), self.config.chat_template))
+            bundle = load_tokenizer(self.tokenizer_path)
+            identity.append(template_identity(bundle, self.config.chat_template))
         return _sha256(orjson.dumps(identity).decode())
 
     def _prepare_output(self, run_id: str, inputs: list[list]) -> Summary | None:

@@ -43,7 +43,10 @@ def prefix_starts(
             a = render([*messages[:k], {"role": "user", "content": mark}], False)
             b = render([*messages[:k], {"role": "assistant", "content": mark}], False)
         except Exception:  # a template refusing that shape: the plain prefix instead
-            a = b = render(messages[:k], False)
+            try:
+                a = b = render(messages[:k], False)
+            except Exception:  # nor that (Qwen3.5 wants a user query): nothing learned here
+                a = b = text[:previous]
         at = _snap(len(os.path.commonprefix([a, b])), token_starts, token_ends, control)
         agree_a, agree_b = (len(os.path.commonprefix([x, text])) for x in (a, b))
         if min(agree_a, agree_b) < at or (opener and not text.startswith(opener, at)):

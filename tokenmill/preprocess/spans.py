@@ -89,17 +89,20 @@ def masked_rendering(
     offsets = encode_offsets(bundle, text) if made is None else made
     dropped(text, messages, tools)
     header = assistant_header(render) if train_spans == "turn" else ""
+    opener = header_opener(render)
     span_starts = _probed_starts(render, bundle, messages, actions, text, prompt_start, offsets)
+    proven = (text, messages, actions, prompt_start, offsets, header, opener)
     try:
-        mask = _proven_mask(text, messages, actions, span_starts, prompt_start, offsets, header)
+        mask = _proven_mask(span_starts, *proven)
     except MaskUnproven:
         # a template that renders by content (Qwen3.5 finds its last query by its text) can
         # fool the probes: the message's own text in the real rendering places it instead
-        opener = header_opener(render)
-        anchored = anchored_starts(text, messages, actions, opener, prompt_start) if opener else None
+        anchored = (
+            anchored_starts(text, messages, actions, opener, prompt_start) if opener else None
+        )
         if anchored is None:
             raise
-        mask = _proven_mask(text, messages, actions, anchored, prompt_start, offsets, header)
+        mask = _proven_mask(anchored, *proven)
     return _with_bos(bundle, offsets.ids, mask)
 
 
@@ -136,13 +139,14 @@ def _probed_starts(
 
 
 def _proven_mask(
+    span_starts: list[int],
     text: str,
     messages: list[dict],
     actions: list[bool],
-    span_starts: list[int],
     prompt_start: int,
     offsets: TokenOffsets,
     header: str,
+    opener: str | None,
 ) -> np.ndarray:
     """The mask of these spans, proven (mask_proof.py). Message k's span runs to the next
     one's start (the last to the generation prompt); a trained assistant message trains its
@@ -163,7 +167,7 @@ def _proven_mask(
         for trains, first, end in zip(actions, bounds[0::2], bounds[1::2]):
             if trains:
                 mask[first:end] = True
-    prove(text, messages, actions, spans, trained, offsets, mask)
+    prove(text, messages, actions, spans, trained, offsets, mask, opener)
     return mask
 
 

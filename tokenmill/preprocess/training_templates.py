@@ -48,7 +48,9 @@ def resolve(value: str, base: Path | None = None) -> str:
     if value in TEMPLATES:
         return value
     path = Path(value).expanduser()
-    for candidate in ([base / path] if base is not None and not path.is_absolute() else []) + [path]:
+    for candidate in ([base / path] if base is not None and not path.is_absolute() else []) + [
+        path
+    ]:
         if candidate.is_file():
             return str(candidate.resolve())
     raise ValueError(
@@ -79,4 +81,7 @@ def template_name(bundle: TokenizerBundle, value: str | None) -> str:
 def template_identity(bundle: TokenizerBundle, value: str | None) -> dict[str, str]:
     """Name and sha256 of the rendering template: part of a run's identity and its manifest."""
     text = (bundle.chat_template or "") if value is None else template_text(value)
-    return {"name": template_name(bundle, value), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return {
+        "name": template_name(bundle, value),
+        "sha256": hashlib.sha256(text.encode()).hexdigest(),
+    }

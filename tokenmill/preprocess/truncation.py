@@ -42,12 +42,19 @@ def join(parts: list[Part]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def cut(
-    ids: np.ndarray, mask: np.ndarray, mode: str, limit: int, bos: int | None
+    ids: np.ndarray,
+    mask: np.ndarray,
+    mode: str,
+    limit: int,
+    bos: int | None,
+    header: tuple[int, ...] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """ids and mask cut to `limit` tokens. keep_start / keep_end keep that end (keep_end keeps
     a leading BOS, masked). cut_prompt (as LLaMA-Factory does) cuts the end of the prompt (the
     tokens before the first trained one, keeping its start) to make room for the response; a
-    response longer than the room keeps its start, after at most half the room of prompt."""
+    response longer than the room keeps its start, after at most half the room of prompt. The
+    response's role header (`header`, masked, right before its first trained token) stays with
+    it: a cut prompt never leaves a reply without the header that opens it."""
     has_bos = bos is not None and len(ids) > 0 and ids[0] == bos and limit > 1
     if mode == "keep_start":
         return ids[:limit], mask[:limit]
@@ -61,6 +68,12 @@ def cut(
     if not len(trained):
         return ids[:limit], mask[:limit]
     first, excess, head = int(trained[0]), len(ids) - limit, int(has_bos)
+    if (
+        header
+        and first - len(header) >= head
+        and ids[first - len(header) : first].tolist() == list(header)
+    ):
+        first -= len(header)
     if first - head >= excess:
         keep = np.r_[0 : first - excess, first : len(ids)]
     else:
@@ -83,18 +96,19 @@ def resolve(mode: str, sections: list[Section]) -> str:
 
 def fit(
     parts: list[Part], limit: int, mode: str, trains: bool, bos: int | None,
-    rerender: Rerender, tally: Tally,
+    rerender: Rerender, tally: Tally, header: tuple[int, ...] = (),
 ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """The parts joined and cut to `limit` by `mode`; cuts are tallied."""
+    """The parts joined and cut to `limit` by `mode` (`header`: the ids of the trained role's
+    header, kept with its reply); cuts are tallied."""
     ids, mask = join(parts)
     if len(ids) <= limit or mode == "none":
         return ids, mask
     if mode == "latest_turns":
         kept, kept_mask = join(latest_turns(parts, limit, trains, rerender))
         if len(kept) > limit:
-            kept, kept_mask = cut(kept, kept_mask, "cut_prompt", limit, bos)
+            kept, kept_mask = cut(kept, kept_mask, "cut_prompt", limit, bos, header)
     else:
-        kept, kept_mask = cut(ids, mask, mode, limit, bos)
+        kept, kept_mask = cut(ids, mask, mode, limit, bos, header)
     tally.truncated += len(ids) - len(kept)
     return kept, kept_mask
 

@@ -17,6 +17,8 @@ from tokenmill.preprocess.inputs import list_inputs
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import read_records
 from tokenmill.preprocess.tokenizer import TokenizerBundle, load_tokenizer
+from tokenmill.preprocess.training_templates import template_name
+from tokenmill.shards.manifest import read_manifest
 
 GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
 
@@ -149,10 +151,17 @@ def show(
         tokenizer = tokenizer or manifest_tokenizer
         if tokenizer is None:
             raise ValueError(f"{target}: the manifest names no tokenizer; pass --tokenizer")
-        return format_sample(load_tokenizer(tokenizer), sample, color, show_ids)
+        shown = format_sample(load_tokenizer(tokenizer), sample, color, show_ids)
+        manifest = None if url else read_manifest(path)
+        template = ((manifest or {}).get("chat_template") or {}).get("name")
+        return shown + (f"\n--- rendered with the chat template: {template}" if template else "")
     if config is None or tokenizer is None:
         raise ValueError("raw records need a config (-c or --type) and --tokenizer")
     bundle = load_tokenizer(tokenizer)
-    return format_sample(
+    shown = format_sample(
         bundle, sample_from_records([target], index, config, bundle), color, show_ids
     )
+    if not any(s.template for s in config.all_sections()):
+        return shown
+    template = template_name(bundle, config.chat_template)
+    return f"{shown}\n--- rendered with the chat template: {template}"
