@@ -80,9 +80,9 @@ def inspect(
 
 def record_from_url(
     url: str, index: int, storage_options: dict[str, Any] | None = None
-) -> tuple[dict[str, Any], str | None]:
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Record `index` of a dataset in object storage (one shard downloaded, to a temporary
-    cache) and the tokenizer path its manifest names."""
+    cache) and its manifest ({} for seed-style shards without one)."""
     from tokenmill.training.mmap_store import MmapStore  # torch: only when reading shards
 
     with tempfile.TemporaryDirectory(prefix="tokenmill-show-") as cache:
@@ -91,7 +91,7 @@ def record_from_url(
         if not 0 <= index < store.num_records:
             raise IndexError(f"{url}: index {index} out of range [0, {store.num_records})")
         record = {k: _copy(v) for k, v in store.fetch_record(index, store.keys).items()}
-        return record, (store.manifest or {}).get("tokenizer_path")
+        return record, store.manifest or {}
 
 
 def _copy(value: Any) -> Any:

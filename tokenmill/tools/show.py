@@ -18,7 +18,6 @@ from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.records import read_records
 from tokenmill.preprocess.tokenizer import TokenizerBundle, load_tokenizer
 from tokenmill.preprocess.training_templates import template_name
-from tokenmill.shards.manifest import read_manifest
 
 GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
 
@@ -103,16 +102,15 @@ def format_sample(
     return "\n".join(lines)
 
 
-def sample_from_shards(root: str | Path, index: int) -> tuple[dict[str, Any], str | None]:
-    """Record `index` of a shard dataset (all keys) and the tokenizer path its manifest names."""
+def sample_from_shards(root: str | Path, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Record `index` of a shard dataset (all keys) and its manifest ({} without one)."""
     from tokenmill.training.mmap_store import MmapStore  # torch: only when reading shards
 
     store = MmapStore().load(root)
     if not 0 <= index < store.num_records:
         raise IndexError(f"{root}: index {index} out of range [0, {store.num_records})")
     record = store.fetch_record(index, store.keys)
-    manifest = getattr(store, "manifest", None) or {}
-    return record, manifest.get("tokenizer_path")
+    return record, getattr(store, "manifest", None) or {}
 
 
 def sample_from_records(
@@ -145,15 +143,14 @@ def show(
         if url:
             from tokenmill.tools.bucket import record_from_url
 
-            sample, manifest_tokenizer = record_from_url(target, index, storage_options)
+            sample, manifest = record_from_url(target, index, storage_options)
         else:
-            sample, manifest_tokenizer = sample_from_shards(path, index)
-        tokenizer = tokenizer or manifest_tokenizer
+            sample, manifest = sample_from_shards(path, index)
+        tokenizer = tokenizer or manifest.get("tokenizer_path")
         if tokenizer is None:
             raise ValueError(f"{target}: the manifest names no tokenizer; pass --tokenizer")
         shown = format_sample(load_tokenizer(tokenizer), sample, color, show_ids)
-        manifest = None if url else read_manifest(path)
-        template = ((manifest or {}).get("chat_template") or {}).get("name")
+        template = (manifest.get("chat_template") or {}).get("name")
         return shown + (f"\n--- rendered with the chat template: {template}" if template else "")
     if config is None or tokenizer is None:
         raise ValueError("raw records need a config (-c or --type) and --tokenizer")
