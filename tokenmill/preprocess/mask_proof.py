@@ -95,10 +95,13 @@ def find_item(text: str, forms: list[str], start: int, end: int) -> tuple[int, i
     return None
 
 
-def dropped(text: str, messages: list[dict], tools: list[dict] | None) -> None:
-    """Raise ContentDropped for the first message item (or tool schema) the rendering lacks."""
+def dropped(
+    text: str, messages: list[dict], items: list[list[Item]], tools: list[dict] | None
+) -> None:
+    """Raise ContentDropped for the first message item (`items[k]`: message k's) or tool
+    schema the rendering lacks."""
     for k, message in enumerate(messages):
-        for what, forms in message_items(message):
+        for what, forms in items[k]:
             if find_item(text, forms, 0, len(text)) is None:
                 raise ContentDropped(
                     f"messages[{k}] (role {message.get('role')!r}): its {what} does not appear "
@@ -117,6 +120,7 @@ def dropped(text: str, messages: list[dict], tools: list[dict] | None) -> None:
 def prove(
     text: str,
     messages: list[dict],
+    items: list[list[Item]],
     actions: list[bool],
     spans: list[tuple[int, int]],
     trained: list[tuple[int, int]],
@@ -125,35 +129,15 @@ def prove(
     opener: str | None,
 ) -> None:
     """Raise MaskUnproven unless the spans tile the rendered tokens in order, each message's
-    items lie in its own span (in `trained[k]`, its trained part, where it trains) with the
-    tokens that start inside them trained exactly when the message trains, and every span
-    beside a trained one opens a turn: at a header opening (`opener`, `<|im_start|>`), or,
-    for a template without one, beside a control token (`<｜Assistant｜>`)."""
-    previous = 0
-    starts = [start for start, _ in spans]
-    tokens = offsets.counts_before(starts)
-    token_starts = offsets.starts_at(starts)
-    for k, (start, end) in enumerate(spans):
-        if start < previous or end < start:
-            raise MaskUnproven(f"messages[{k}]: its span [{start}, {end}) is out of order")
-        beside_trained = actions[k] or (k > 0 and actions[k - 1])
-        if beside_trained and 0 < start < len(text) and token_starts[k] != start:
-            raise MaskUnproven(f"messages[{k}]: its span starts inside a token")
-        if k > 0 and beside_trained and start < len(text):
-            control = offsets.is_control
-            if opener is not None:
-                opens = text.startswith(opener, start)
-            else:  # beside a control token, where the template writes any
-                opens = not control.any() or bool(control[tokens[k]])
-                opens = opens or bool(tokens[k] and control[tokens[k] - 1])
-            if not opens:
-                raise MaskUnproven(
-                    f"messages[{k}] (role {messages[k].get('role')!r}): its span does not open a turn"
-                )
-        previous = end
+    items (`items[k]`) lie in its own span (in `trained[k]`, its trained part, where it
+    trains) with the tokens that start inside them trained exactly when the message trains,
+    and every span beside a trained one opens a turn: at a header opening (`opener`,
+    `<|im_start|>`), or, for a template without one, beside a control token (`<｜Assistant｜>`)
+    where it writes any. Token positions are looked up in one search."""
+    hits: list[tuple[int, str, int, int]] = []  # (message, what, start, end)
     for k, message in enumerate(messages):
         start, end = trained[k] if actions[k] else spans[k]
-        for what, forms in message_items(message):
+        for what, forms in items[k]:
             hit = find_item(text, forms, start, end)
             if hit is None:
                 where = "trained part of its turn" if actions[k] else "span"
@@ -161,9 +145,41 @@ def prove(
                     f"messages[{k}] (role {message.get('role')!r}): its {what} is not inside the "
                     f"{where} the template's probes gave it"
                 )
-            first, last = offsets.counts_before([hit[0], hit[1]])
-            if first < last and not np.all(mask[first:last] == actions[k]):
-                state = "masked" if actions[k] else "trained"
-                raise MaskUnproven(
-                    f"messages[{k}] (role {message.get('role')!r}): tokens of its {what} are {state}"
-                )
+            hits.append((k, what, *hit))
+    starts = [start for start, _ in spans]
+    positions = [*starts, *(s + 1 for s in starts), *(h[2] for h in hits), *(h[3] for h in hits)]
+    counts = offsets.counts_before(positions)
+    n, m = len(starts), len(hits)
+    tokens, after = counts[:n], counts[n : 2 * n]  # tokens before each start, and before start+1
+    previous = 0
+    for k, (start, end) in enumerate(spans):
+        if start < previous or end < start:
+            raise MaskUnproven(f"messages[{k}]: its span [{start}, {end}) is out of order")
+        previous = end
+        beside_trained = actions[k] or (k > 0 and actions[k - 1])
+        if not beside_trained or not 0 < start < len(text):
+            continue
+        if after[k] == tokens[k]:  # no token starts at `start`
+            raise MaskUnproven(f"messages[{k}]: its span starts inside a token")
+        if opener is not None:
+            opens = text.startswith(opener, start)
+        else:
+            control = offsets.is_control
+            opens = not control.any() or bool(control[tokens[k]])
+            opens = opens or bool(tokens[k] and control[tokens[k] - 1])
+        if not opens:
+            role = messages[k].get("role")
+            raise MaskUnproven(f"messages[{k}] (role {role!r}): its span does not open a turn")
+    if not hits:
+        return
+    firsts = np.asarray(counts[2 * n : 2 * n + m])
+    lasts = np.asarray(counts[2 * n + m :])
+    trained_before = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    got = trained_before[lasts] - trained_before[firsts]
+    trains = np.asarray([actions[h[0]] for h in hits])
+    wrong = np.flatnonzero(got != np.where(trains, lasts - firsts, 0))
+    if len(wrong):
+        k, what = hits[wrong[0]][:2]
+        state = "masked" if actions[k] else "trained"
+        role = messages[k].get("role")
+        raise MaskUnproven(f"messages[{k}] (role {role!r}): tokens of its {what} are {state}")

@@ -15,7 +15,7 @@ import numpy as np
 
 from tokenmill.preprocess.chat_template import Renderer, render_generation_spans
 from tokenmill.preprocess.content_spans import content_starts
-from tokenmill.preprocess.mask_proof import MaskUnproven, dropped, prove
+from tokenmill.preprocess.mask_proof import Item, MaskUnproven, dropped, message_items, prove
 from tokenmill.preprocess.probe_spans import (
     anchored_starts,
     assistant_header,
@@ -71,7 +71,7 @@ def masked_rendering(
         text, spans = render_generation_spans(
             bundle, messages, add_generation_prompt, tools, **(template_kwargs or {})
         )
-        dropped(text, messages, tools)
+        dropped(text, messages, [message_items(m) for m in messages], tools)
         offsets = encode_offsets(bundle, text)
         mask = np.zeros(len(offsets.ids), dtype=bool)
         for a, b in spans:
@@ -87,11 +87,12 @@ def masked_rendering(
         if text.startswith(closed):
             prompt_start = len(closed)
     offsets = encode_offsets(bundle, text) if made is None else made
-    dropped(text, messages, tools)
+    items = [message_items(m) for m in messages]
+    dropped(text, messages, items, tools)
     header = assistant_header(render) if train_spans == "turn" else ""
     opener = header_opener(render)
     span_starts = _probed_starts(render, bundle, messages, actions, text, prompt_start, offsets)
-    proven = (text, messages, actions, prompt_start, offsets, header, opener)
+    proven = (text, messages, items, actions, prompt_start, offsets, header, opener)
     try:
         mask = _proven_mask(span_starts, *proven)
     except MaskUnproven:
@@ -142,6 +143,7 @@ def _proven_mask(
     span_starts: list[int],
     text: str,
     messages: list[dict],
+    items: list[list[Item]],
     actions: list[bool],
     prompt_start: int,
     offsets: TokenOffsets,
@@ -167,7 +169,7 @@ def _proven_mask(
         for trains, first, end in zip(actions, bounds[0::2], bounds[1::2]):
             if trains:
                 mask[first:end] = True
-    prove(text, messages, actions, spans, trained, offsets, mask, opener)
+    prove(text, messages, items, actions, spans, trained, offsets, mask, opener)
     return mask
 
 
