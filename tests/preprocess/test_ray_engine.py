@@ -306,6 +306,25 @@ def test_every_input_format_and_bad_records_match_the_local_engine(tmp_path, ray
     assert find_shards(tmp_path / "raise") == [] and read_manifest(tmp_path / "raise") is None
 
 
+def test_text_files_read_per_line_match_the_local_engine(tmp_path, ray_address):
+    """input.text_unit reaches the scan and the tasks' readers: .txt lines are records there too."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    plays = [
+        json.loads(line)["text"] for line in lines_of(ROOT / "data" / "pretrain_shakespeare.jsonl")
+    ]
+    for n, play in enumerate(plays[:3]):
+        (folder / f"play_{n}.txt").write_text(play[:20_000])
+    data = config("seq", batch_size=40, shard_tokens=3_000).model_dump(mode="json")
+    data["input"]["text_unit"] = "line"
+    data["preprocessing"]["min_chars"] = 1
+    cfg = PipelineConfig.from_dict(data)
+    local = Pipeline(cfg, [folder], tmp_path / "local", QWEN, workers=1, on_error="skip").run()
+    Pipeline(cfg, [folder], tmp_path / "ray", QWEN, workers=2, on_error="skip", engine="ray").run()
+    assert_same_dataset(tmp_path / "ray", tmp_path / "local")
+    assert local.records_read > 3 * 100
+
+
 def test_inputs_given_as_urls_match_the_local_engine_on_paths(tmp_path, ray_address):
     files = mixed_inputs(tmp_path / "mixed")
     cfg = config("sft", batch_size=4, shard_tokens=3_000)

@@ -174,7 +174,9 @@ def test_field_errors_name_the_place():
     with pytest.raises(RecordError) as info:
         get_field(record, "conversations")
     assert (
-        str(info.value) == "d/sft.jsonl:7: conversations: missing field (record has: id, messages)"
+        str(info.value)
+        == "d/sft.jsonl:7: conversations: missing field (record has: id, messages); "
+        "map one with input.columns: {conversations: <its key>}"
     )
     assert info.value.reason == "missing_field"
     with pytest.raises(RecordError) as info:
@@ -245,7 +247,7 @@ def _compress(suffix: str, raw: bytes) -> bytes:
     return raw
 
 
-@pytest.mark.parametrize("suffix", [s for s in INPUT_SUFFIXES if s not in (".parquet", ".arrow")])
+@pytest.mark.parametrize("suffix", [s for s in INPUT_SUFFIXES if ".json" in s])
 def test_round_trip_every_json_form(tmp_path, suffix):
     objs = [{"id": i, "text": f"line {i} é😀"} for i in range(2500)]
     raw = _lines(*objs) if ".jsonl" in suffix else json.dumps(objs).encode()
@@ -254,6 +256,16 @@ def test_round_trip_every_json_form(tmp_path, suffix):
     assert [r.data for r in records] == objs
     assert [r.line for r in records] == list(range(1, 2501))
     assert {r.source for r in records} == {str(path)}
+
+
+@pytest.mark.parametrize("suffix", [s for s in INPUT_SUFFIXES if s.startswith(".txt")])
+def test_text_files_whole_or_by_line(tmp_path, suffix):
+    text = "".join(f"line {i} é😀\r\n" if i % 3 else f"line {i}\n" for i in range(2500))
+    path = _write(tmp_path, "data" + suffix, _compress(suffix, text.encode()))
+    assert [(r.line, r.data) for r in read_records(path)] == [(1, {"text": text})]
+    lines = list(read_records(path, text_unit="line"))
+    assert [r.data["text"] for r in lines] == [x.removesuffix("\r") for x in text.split("\n")[:-1]]
+    assert [r.line for r in lines] == list(range(1, 2501))
 
 
 def test_multi_member_gzip_and_multi_frame_zstd(tmp_path):
@@ -302,7 +314,8 @@ def test_real_chat_data_passes_and_raw_sharegpt_is_reported():
     with pytest.raises(RecordError) as info:
         get_field(raw[0], "messages")
     assert str(info.value).endswith(
-        "chat_sharegpt_raw_200.jsonl:1: messages: missing field (record has: id, conversations)"
+        "chat_sharegpt_raw_200.jsonl:1: messages: missing field (record has: id, conversations); "
+        "map one with input.columns: {messages: <its key>}"
     )
 
 
@@ -339,7 +352,7 @@ def test_list_inputs_errors(tmp_path):
         list_inputs([bad])
     assert str(info.value) == (
         f"{bad}: unsupported input file (supported suffixes: .jsonl, .json, .jsonl.gz, .json.gz, "
-        ".jsonl.zst, .json.zst, .parquet, .arrow)"
+        ".jsonl.zst, .json.zst, .parquet, .arrow, .txt, .txt.gz, .txt.zst)"
     )
     _write(tmp_path, "mixed/readme.md", b"")
     with pytest.raises(ValueError, match=r"readme.md: unsupported input file"):

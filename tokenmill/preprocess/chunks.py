@@ -81,7 +81,7 @@ def iter_chunks(
     for path in files:
         errors: list[RecordError] = []
         on_error = errors.append if collect_errors else None
-        for record in read_records(path, on_error=on_error):
+        for record in read_records(path, on_error, text_unit=config.input.text_unit):
             if errors:
                 chunk.read_errors.extend(errors)
                 errors.clear()

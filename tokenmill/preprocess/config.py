@@ -72,6 +72,10 @@ class Section(_Strict):
     eos: bool = Field(
         False, description="append the tokenizer's EOS token, with the section's action"
     )
+    prefix: str = Field(
+        "",
+        description="text put before a text section's value (Alpaca's input after its instruction: a newline)",
+    )
     optional: bool = Field(
         False, description="a record without this field (or with null) skips the section"
     )
@@ -114,6 +118,8 @@ class Section(_Strict):
             raise ValueError('action "$role" needs template: true (roles come from chat messages)')
         if self.action == "value" and (self.template or self.eos):
             raise ValueError('action "value" copies the raw value: template and eos must be false')
+        if self.prefix and (self.template or self.action == "value"):
+            raise ValueError("prefix is for text sections (template: false, not action: value)")
         if self.generation_prompt and not self.template:
             raise ValueError("generation_prompt needs template: true")
         if self.train_spans == "generation" and not self.template:
@@ -159,6 +165,32 @@ class InputConfig(_Strict):
         None,
         description="multi-output data (DPO, GRPO): output key -> source; `sections` is then ignored",
     )
+    columns: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description=(
+            "field -> the record keys that may hold it, the first a record has winning:"
+            " {messages: [messages, conversations]} (LLaMA-Factory's columns, axolotl's"
+            " field_messages); a key alone stands for a list of one"
+        ),
+    )
+    message_fields: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "message property -> the message key holding it: {role: from, content: value}"
+            " (axolotl's message_property_mappings, LLaMA-Factory's role_tag / content_tag)"
+        ),
+    )
+    roles: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description=(
+            "role -> the names records give it: {assistant: [gpt, model], tool: [observation]}"
+            " (LLaMA-Factory's user_tag, assistant_tag, ...; axolotl's roles)"
+        ),
+    )
+    text_unit: Literal["file", "line"] = Field(
+        "file",
+        description="what one record of a .txt input is: the whole file, or each line (as {text})",
+    )
     shared_prompt: str | None = Field(
         None,
         description=(
@@ -166,6 +198,13 @@ class InputConfig(_Strict):
             " sources share (messages, or text) becomes it, as TRL extracts an implicit prompt"
         ),
     )
+
+    @field_validator("columns", "roles", mode="before")
+    @classmethod
+    def _listed(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: [v] if isinstance(v, str) else v for k, v in value.items()}
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> InputConfig:

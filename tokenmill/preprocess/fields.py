@@ -26,6 +26,8 @@ def get_field(record: Record, path: str) -> Any:
         if key not in value:
             keys = ", ".join(list(value)[:10]) + (", ..." if len(value) > 10 else "")
             message = f"missing field (record has: {keys or 'no fields'})"
+            if len(walked) == 1 and value:  # a key of another name may hold it
+                message += f"; map one with input.columns: {{{key}: <its key>}}"
             raise _error(record, ".".join(walked), message, "missing_field")
         value = value[key]
         if value is None:

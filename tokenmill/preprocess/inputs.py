@@ -25,6 +25,7 @@ from tokenmill.preprocess.hf_inputs import DatasetInput, hf_dataset_kind, hf_lay
 
 INPUT_SUFFIXES = (
     ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".arrow",
+    ".txt", ".txt.gz", ".txt.zst",
 )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tokenmill.preprocess.columns import remap
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.fields import get_field, get_values
 from tokenmill.preprocess.filters import check_chars, raw_chars
@@ -47,6 +48,7 @@ class RecordMasker(OutputLayout, PartMaker):
             raise RecordError(
                 record.source, record.line, None, "expected a JSON object", "not_object"
             )
+        record = remap(record, self.config.input)
         tally = Tally()
         try:
             # too long before a token is made: a 50 MB record is never tokenized
@@ -194,6 +196,7 @@ class RecordMasker(OutputLayout, PartMaker):
         one per sequence (SFT's, each reply's of a preference pair), or none where a sequence
         holds text. What a chunk renders ahead in one batch (chunks.py); raises what the
         record's own pass would."""
+        record = remap(record, self.config.input)
         groups = [self.config.input.sections]
         if self.config.multi_output:
             record = with_shared_prompt(record, self.config)

@@ -44,8 +44,7 @@ class PartMaker:
     def __init__(self, config: PipelineConfig, bundle: TokenizerBundle):
         self.config = config
         sections = config.all_sections()
-        self.bundle = with_chat_template(bundle, config.chat_template)
-        bundle = self.bundle
+        self.bundle = bundle = with_chat_template(bundle, config.chat_template)
         # the ids of the assistant's role header, which a cut prompt keeps with its reply
         self.header_ids: tuple[int, ...] = ()
         if bundle.chat_template and any(s.template and s.train_spans == "turn" for s in sections):
@@ -166,6 +165,7 @@ class PartMaker:
                 f"expected a string, got {type(value).__name__}",
                 "wrong_type",
             )
+        value = section.prefix + value
         tally.chars += len(value)
         add_special = (
             section.add_special_tokens if section.add_special_tokens is not None else first

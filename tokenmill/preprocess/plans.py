@@ -21,6 +21,7 @@ from tokenmill.preprocess.records import (
     PARQUET_BATCH_ROWS,
     Record,
     RecordError,
+    TextUnit,
     parse_line,
     read_records,
 )
@@ -59,7 +60,7 @@ class ChunkPlan:
     size: int = 0
 
 
-def scan_file(path: str) -> FileScan:
+def scan_file(path: str, text_unit: TextUnit = "file") -> FileScan:
     """Read one file once to count and place its records (JSONL: also their byte offsets, in the
     same pass); bad lines are collected, never raised."""
     lines: list[int] = []
@@ -69,7 +70,7 @@ def scan_file(path: str) -> FileScan:
     def on_error(err: RecordError) -> None:
         errors.append((len(lines), err))  # with the count of records before it
 
-    for record in read_records(path, on_error, starts if _is_jsonl(path) else None):
+    for record in read_records(path, on_error, starts if _is_jsonl(path) else None, text_unit):
         lines.append(record.line)
     line_of = np.asarray(lines, dtype=np.int64)
     return FileScan(path, line_of, np.asarray(starts, dtype=np.int64), errors)
@@ -184,7 +185,8 @@ def joined(units: list[list[ChunkPlan]], per_task: int) -> Iterator[list[ChunkPl
 class FileRangeReader:
     """Reads ranges in file order; an unseekable stream stays open from one file_range to the next."""
 
-    def __init__(self) -> None:
+    def __init__(self, text_unit: TextUnit = "file") -> None:
+        self.text_unit = text_unit  # what a record of a .txt file is
         self.path: str | None = None
         self.stream: Any = None
         self.position = 0  # bytes of the decompressed stream consumed so far
@@ -199,7 +201,9 @@ class FileRangeReader:
         if self.path != file_range.path:  # a .json document is parsed whole, once per unit
             self.close()
             self.path = file_range.path
-            self.document = list(read_records(file_range.path, on_error=lambda err: None))
+            self.document = list(
+                read_records(file_range.path, lambda err: None, text_unit=self.text_unit)
+            )
         return iter(self.document[file_range.first : file_range.first + len(file_range.lines)])
 
     def _jsonl(self, file_range: FileRange) -> Iterator[Record]:

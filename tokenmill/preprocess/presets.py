@@ -31,14 +31,21 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         "input": {"sections": [{"field": "text", "action": "train", "eos": True}]},
         "preprocessing": {"packing_strategy": "stream"},
     },
-    # whole conversations: rows no longer than a 2048-token sample
-    "sft": {"input": {"sections": [_CHAT]}, "preprocessing": {"max_packed_len": 2048}},
+    # whole conversations: rows no longer than a 2048-token sample; OpenAI `messages` or
+    # ShareGPT `conversations` (LLaMA-Factory's and axolotl's name for it)
+    "sft": {
+        "input": {"sections": [_CHAT], "columns": {"messages": ["messages", "conversations"]}},
+        "preprocessing": {"max_packed_len": 2048},
+    },
+    # prompt + response, or Alpaca's instruction, optional input (after a newline) and output
     "instruction": {
         "input": {
             "sections": [
                 {"field": "prompt", "action": "mask"},
+                {"field": "input", "action": "mask", "optional": True, "prefix": "\n"},
                 {"field": "response", "action": "train", "eos": True},
-            ]
+            ],
+            "columns": {"prompt": ["prompt", "instruction"], "response": ["response", "output"]},
         },
         "preprocessing": {"min_chars": 1, "max_packed_len": 2048},
     },
@@ -59,18 +66,28 @@ DEFAULT_CONFIGS: dict[str, dict[str, Any]] = {
         },
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
     },
-    # TRL's unpaired preference data (KTO): a prompt and one completion, labelled good or bad
+    # TRL's unpaired preference data (KTO): a prompt and one completion, labelled good or bad;
+    # or LLaMA-Factory's: a whole conversation (`messages`) whose last reply the label judges
     "kto": {
         "input": {
             "sources": {
                 "completion": {
                     "sections": [
                         dict(_PROMPT),
-                        {"field": "completion", "template": True, "action": "$role"},
+                        {
+                            "field": "completion",
+                            "template": True,
+                            "action": "$role",
+                            "train_turns": "last",
+                        },
                     ]
                 },
                 "label": {"sections": [{"field": "label", "action": "value"}]},
-            }
+            },
+            "columns": {
+                "completion": ["completion", "messages", "conversations"],
+                "label": ["label", "kto_tag"],
+            },
         },
         "preprocessing": {"min_chars": 1, "packing_strategy": "none"},
     },

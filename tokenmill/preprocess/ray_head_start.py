@@ -85,7 +85,7 @@ def head_start(
     from 3,000 to 24,000 chat records)."""
     if not claims:
         return
-    reader = FileRangeReader()
+    reader = FileRangeReader(args[0]["input"].get("text_unit", "file"))
     try:
         chunks = _chunks(head, planned, claims, reader, frontier)
         yield from process_here(chunks, DRIVER_THREADS, args, ahead=DRIVER_THREADS)

@@ -63,7 +63,7 @@ def process_units(
     if _RUN != run:
         setup_worker(config_data, tokenizer_path)
         _RUN = run
-    reader = FileRangeReader()
+    reader = FileRangeReader(config_data["input"].get("text_unit", "file"))
     try:
         with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
             for unit, claims in zip(batch["unit"], batch["claims"], strict=True):
@@ -154,7 +154,9 @@ def _tasks(
     pre = config.preprocessing
     plans = (
         p
-        for p in plan_chunks(_scans(ray, files), pre.batch_size, pre.max_items)
+        for p in plan_chunks(
+            _scans(ray, files, config.input.text_unit), pre.batch_size, pre.max_items
+        )
         if p.index >= first_chunk
     )
     units = list(work_units(plans))
@@ -180,11 +182,11 @@ def _tasks(
 
 
 def _scan_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {"index": row["index"], "scan": scan_file(row["path"])}
+    return {"index": row["index"], "scan": scan_file(row["path"], row["text_unit"])}
 
 
-def _scans(ray: ModuleType, files: Sequence[InputPath]) -> Iterator[FileScan]:
-    items = [{"index": i, "path": str(f)} for i, f in enumerate(files)]
+def _scans(ray: ModuleType, files: Sequence[InputPath], text_unit: str) -> Iterator[FileScan]:
+    items = [{"index": i, "path": str(f), "text_unit": text_unit} for i, f in enumerate(files)]
     scanned = ray.data.from_items(items, override_num_blocks=len(items)).map(_scan_row)
     for expected, row in enumerate(scanned.iter_rows()):
         if row["index"] != expected:

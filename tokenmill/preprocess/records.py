@@ -14,7 +14,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import orjson
 import pyarrow as pa
@@ -74,17 +74,22 @@ class RecordError(ValueError):
 
 
 ON_ERROR = ("raise", "skip")  # what a run does with a malformed record
+TextUnit = Literal["file", "line"]  # what one record of a .txt file is
 OnError = Callable[[RecordError], None] | None
 
 
 def read_records(
-    path: InputPath, on_error: OnError = None, offsets: list[int] | None = None
+    path: InputPath,
+    on_error: OnError = None,
+    offsets: list[int] | None = None,
+    text_unit: TextUnit = "file",
 ) -> Iterator[Record]:
     """Stream the records of one file. Bad input raises, or goes to `on_error` and reading goes on.
 
     A truncated or undecodable file is reported once and ends that file. For JSONL, `offsets`
     (if given) gets the byte offset of each record's line in the decompressed stream, so that
-    a reader elsewhere can seek to it (the Ray engine's scan).
+    a reader elsewhere can seek to it (the Ray engine's scan). A `.txt` file is one record
+    `{"text"}`, or one per line where `text_unit` is "line".
     """
     if isinstance(path, DatasetInput):
         yield from _read_dataset(path, on_error)
@@ -98,6 +103,8 @@ def read_records(
         yield from _read_arrow(path, on_error)
     elif suffix.startswith(".jsonl"):
         yield from _read_jsonl(path, on_error, offsets)
+    elif suffix.startswith(".txt"):
+        yield from _read_text(path, on_error, text_unit)
     else:
         yield from _read_json(path, on_error)
 
@@ -148,6 +155,35 @@ def _numbered_lines(
             yield line, raw
     except _STREAM_ERRORS as exc:
         _report(_stream_error(path, line, exc), on_error)
+
+
+def _read_text(path: InputPath, on_error: OnError, text_unit: TextUnit) -> Iterator[Record]:
+    """Plain text as `{"text"}` records: the whole file (line 1), or each line (its number, its
+    line break left out; blank lines kept, for the filters to count)."""
+    source = str(path)
+    try:
+        with open_bytes(path) as stream:
+            raw = stream.read()
+    except _STREAM_ERRORS as exc:
+        _report(_stream_error(path, None, exc), on_error)
+        return
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8) :]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at_line = raw[: exc.start].count(b"\n") + 1
+        message = f"not valid UTF-8 at byte {exc.start}"
+        _report(RecordError(source, at_line, None, message, "bad_utf8"), on_error)
+        return
+    if text_unit == "file":
+        yield Record(source, 1, {"text": text})
+        return
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the break that ends the last line opens no new one
+    for number, line in enumerate(lines, start=1):
+        yield Record(source, number, {"text": line.removesuffix("\r")})
 
 
 def _read_json(path: InputPath, on_error: OnError) -> Iterator[Record]:

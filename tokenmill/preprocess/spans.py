@@ -1,9 +1,11 @@
 """Spans: one rendering of a conversation -> its ids and a loss mask per message.
 
 Message k's span is what it adds to the rendering (its header and end-of-turn included);
-each token takes the action of the span holding its first character. Contents are found by
-content_spans.py, headers by probe_spans.py; masking.py calls `render_conversation` for
-each chat section of a record.
+each token takes the action of the span holding its first character, and a trained
+assistant message trains its span past its role header (`train_spans: turn`). Contents are
+found by content_spans.py, headers by probe_spans.py; every mask is proven against the real
+rendering (mask_proof.py) before it is returned. parts.py calls `masked_rendering` for each
+chat of a record.
 """
 
 from __future__ import annotations

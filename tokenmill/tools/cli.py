@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "inputs",
         nargs="+",
-        help=".jsonl/.json(.gz/.zst)/.parquet files or folders, or URLs (s3://..., via fsspec)",
+        help=".jsonl/.json/.txt(.gz/.zst)/.parquet files or folders, or URLs (s3://..., via fsspec)",
     )
     p.add_argument(
         "-o", "--output", required=True, help="output dataset folder, or a URL (s3://bucket/prefix)"
@@ -43,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         help="use the built-in config of a training type instead of --config",
     )
     p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer folder")
+    p.add_argument(
+        "--text-lines",
+        action="store_true",
+        help="a .txt input gives a record per line, not per file (input.text_unit: line)",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -194,6 +199,10 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     if bool(args.config) == bool(args.type):
         raise ValueError("give exactly one of --config and --type")
     config = PipelineConfig.from_file(args.config) if args.config else default_config(args.type)
+    if args.text_lines:
+        data = config.model_dump(mode="json")
+        data["input"]["text_unit"] = "line"
+        config = PipelineConfig.from_dict(data)
     options = parse_storage_options(args.storage_option)
     url = "://" in args.output  # a bucket: kept as a string (a Path would merge its //)
     summary = Pipeline(
