@@ -10,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-import jinja2
 import numpy as np
 import pytest
 from helpers import DATA, ROOT, TOKENIZERS
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 from tokenmill.preprocess import spans
 from tokenmill.preprocess.config import ConfigError, PipelineConfig
 from tokenmill.preprocess.fields import check_messages, get_tools
-from tokenmill.preprocess.mask_proof import ContentDropped, MaskUnproven
+from tokenmill.preprocess.mask_proof import MaskUnproven
 from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
@@ -177,12 +176,14 @@ def _conversations():
 PROPERTY_TEMPLATES = {
     "qwen2.5": ("qwen2.5", None),
     "qwen3": ("qwen3", None),
+    "deepseek-v3": ("deepseek-v3", None),
     "qwen3-keep-reasoning": ("qwen3", "qwen3-keep-reasoning"),
     "deepseek-v3-tools": ("deepseek-v3", "deepseek-v3-tools"),
     "deepseek-r1-keep-reasoning": ("deepseek-v3", "deepseek-r1-keep-reasoning"),
     "qwen3.5-keep-reasoning": ("qwen3", "qwen3.5-keep-reasoning"),
-    "qwen3.5-style": ("qwen3", QWEN35_STYLE),
+    "qwen3.5-style": ("qwen3", str(ROOT / "tests" / "data" / "qwen35_style.jinja")),
 }
+REFUSALS = {"mask_unproven", "content_dropped", "template_error"}
 
 
 @pytest.mark.parametrize("name", list(PROPERTY_TEMPLATES))
@@ -190,18 +191,18 @@ PROPERTY_TEMPLATES = {
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
 @given(messages=_conversations())
 def test_no_trained_token_lies_outside_an_assistant_message(name, messages):
-    """Every generated chat is either refused by name (mask_unproven, content_dropped) or
-    trains only assistant text: no word of a system, user or tool message trains, and every
-    assistant word the rendering shows trains."""
+    """Every generated chat is either refused by name (mask_unproven, content_dropped, or the
+    template's own error) or trains only assistant text: no word of a system, user or tool
+    message trains, and every assistant word the rendering shows trains."""
     family, template = PROPERTY_TEMPLATES[name]
     bundle = load_tokenizer(TOKENIZERS / family)
-    if template is not None:
-        text = template if template not in TEMPLATES else template_text(template)
-        bundle = dataclasses.replace(bundle, chat_template=text)
+    masker = RecordMasker(_chat_config(chat_template=template), bundle)
     try:
-        ids, mask = render_conversation(bundle, messages, _assistant_mask(messages))
-    except (MaskUnproven, ContentDropped, jinja2.TemplateError):  # refused by name
+        out = masker.process({"messages": messages})
+    except RecordError as err:
+        assert err.reason in REFUSALS, err
         return
+    ids, mask = out["sequence"], out["loss_mask"]
     trained = bundle.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=False)
     masked = bundle.tokenizer.decode(ids[~mask].tolist(), skip_special_tokens=False)
     for prefix in ("sy", "us", "to"):

@@ -107,6 +107,17 @@ def dropped(
                     f"messages[{k}] (role {message.get('role')!r}): its {what} does not appear "
                     "in the rendering: the chat template drops it"
                 )
+    holders: dict[str, list[tuple[int, str]]] = {}  # a text several messages hold: who holds it
+    for k, message_items_k in enumerate(items):
+        for what, forms in message_items_k:
+            holders.setdefault(forms[0], []).append((k, what))
+    for text_held, held in holders.items():
+        if len(held) > 1 and text.count(text_held) < len(held):
+            who = ", ".join(f"messages[{k}] ({what})" for k, what in held)
+            raise ContentDropped(
+                f"{who}: {text_held[:40]!r} shows {text.count(text_held)} time(s) in the rendering "
+                f"for {len(held)} messages: the chat template drops it"
+            )
     for j, tool in enumerate(tools or []):
         function = tool.get("function", tool) if isinstance(tool, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
