@@ -355,3 +355,116 @@ def test_each_shipped_template_renders_as_the_one_it_replaces(name, oracles):
             want = oracles[family].apply_chat_template(chat, chat_template=original_text, **kwargs)
             assert oracles[family].apply_chat_template(chat, chat_template=ours, **kwargs) == want
     assert (FOLDER / "README.md").read_text().count(f"`{name}`") == 1
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "w",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def _call(city, as_text=False):
+    arguments = json.dumps({"city": city}) if as_text else {"city": city}
+    return {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def _runs(bundle, ids, mask) -> list[str]:
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [bundle.tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
+            for a, b in edges.reshape(-1, 2)]  # fmt: skip
+
+
+def test_tool_rounds_close_their_turns_on_deepseek():
+    """Each tool-calling turn trains its `<｜end▁of▁sentence｜>`, the second round too."""
+    bundle = load_tokenizer(TOKENIZERS / "deepseek-v3")
+    chat = []
+    for city, answer in (("Paris", "Sunny."), ("Rome", "Rainy.")):
+        chat += [{"role": "user", "content": f"{city}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [_call(city)]},
+                 {"role": "tool", "content": f"{answer} there"},
+                 {"role": "assistant", "content": answer}]  # fmt: skip
+    masker = RecordMasker(_chat_config(chat_template="deepseek-v3-tools"), bundle)
+    out = masker.process({"messages": chat, "tools": WEATHER})
+    runs = _runs(bundle, out["sequence"], out["loss_mask"])
+    assert len(runs) == 4 and all(r.endswith("<｜end▁of▁sentence｜>") for r in runs), runs
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "qwen3"])
+def test_parallel_calls_with_text_arguments_and_words_of_the_tools_block(family):
+    """Two calls (JSON text with \\u escapes, as json.dumps writes it; the same arguments
+    twice), two results, and a user who writes a word of the tools block ("hi" is in
+    "within"): proven, calls trained, results masked."""
+    bundle = load_tokenizer(TOKENIZERS / family)
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [_call("北京", as_text=True), _call("北京", as_text=True)]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "sunny too"},
+        {"role": "assistant", "content": "Both sunny."},
+    ]  # fmt: skip
+    out = RecordMasker(_chat_config(), bundle).process({"messages": chat, "tools": WEATHER})
+    trained = "".join(_runs(bundle, out["sequence"], out["loss_mask"]))
+    assert trained.count("get_weather") == 2 and "Both sunny." in trained
+    assert "sunny\n" not in trained and "<tool_response>" not in trained and "user" not in trained
+
+
+def test_a_user_turn_that_reads_like_the_tools_block_never_trains():
+    """Words of the tools block and of role headers as contents (found by fuzzing): the
+    record is refused by name or no user or tool text trains."""
+    bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
+    chat = [
+        {"role": "user", "content": "get_weather"},
+        {"role": "assistant", "content": "user", "tool_calls": [_call("", True), _call("", True)]},
+        {"role": "tool", "content": "hihello world"},
+        {"role": "assistant", "content": "assistant"},
+        {"role": "user", "content": "ex"},
+        {"role": "assistant", "content": None, "tool_calls": [_call("")]},
+        {"role": "tool", "content": "tassistant"},
+        {"role": "tool", "content": "<tool_call>"},
+        {"role": "assistant", "content": ""},
+    ]
+    try:
+        out = RecordMasker(_chat_config(), bundle).process({"messages": chat, "tools": WEATHER})
+    except RecordError as err:
+        assert err.reason == "mask_unproven"
+        return
+    trained = "".join(_runs(bundle, out["sequence"], out["loss_mask"]))
+    assert (
+        "<|im_start|>" not in trained and "hihello" not in trained and "tassistant" not in trained
+    )
+
+
+def test_last_turn_only_survives_truncation_and_keeps_its_tool_calls():
+    bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
+    chat = [
+        {"role": "user", "content": "long " * 40},
+        {"role": "assistant", "content": "first answer"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "second answer"},
+        {"role": "user", "content": "q3"},
+        {"role": "assistant", "content": "third answer"},
+    ]
+    data = _chat_config(train_turns="last").model_dump(mode="json")
+    data["preprocessing"]["max_seq_len"] = 60
+    out = RecordMasker(PipelineConfig.from_dict(data), bundle).process({"messages": chat})
+    assert _runs(bundle, out["sequence"], out["loss_mask"]) == ["third answer<|im_end|>\n"]
+    # a KTO completion in TRL's shape: a call, its result and the answer are the last turn
+    kto = RecordMasker(default_config("kto"), bundle)
+    completion = [{"role": "assistant", "content": None, "tool_calls": [_call("Rome")]},
+                  {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "Rain."}]  # fmt: skip
+    out = kto.process(
+        {"prompt": chat[4:5], "completion": completion, "label": True, "tools": WEATHER}
+    )
+    trained = "".join(_runs(bundle, out["completion"], out["completion_mask"]))
+    assert "get_weather" in trained and "Rain." in trained and "rain\n" not in trained
+
+
+def test_a_cut_prompt_keeps_the_reply_header_when_the_reply_opens_with_line_breaks():
+    bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
+    chat = [{"role": "user", "content": "word " * 30}, {"role": "assistant", "content": "\n\nAnswer here."}]  # fmt: skip
+    data = _chat_config().model_dump(mode="json")
+    data["preprocessing"].update(max_seq_len=40, truncation_mode="cut_prompt")
+    out = RecordMasker(PipelineConfig.from_dict(data), bundle).process({"messages": chat})
+    text = bundle.tokenizer.decode(out["sequence"].tolist(), skip_special_tokens=False)
+    assert len(out["sequence"]) == 40 and text.endswith(
+        "<|im_start|>assistant\n\n\nAnswer here.<|im_end|>\n"
+    )

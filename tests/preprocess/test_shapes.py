@@ -53,12 +53,12 @@ def test_alpaca_with_and_without_its_input(bundle):
             {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
             "Add the numbers.\n2 and 3",
         ),  # fmt: skip
-        ({"instruction": "Say hi.", "input": "", "output": "hi"}, "Say hi.\n"),
+        ({"instruction": "Say hi.", "input": "", "output": "hi"}, "Say hi."),  # no newline
         ({"instruction": "Say hi.", "output": "hi"}, "Say hi."),
     ]:
         out = masker.process(record)
         head = encode_text(bundle, record["instruction"], True).tolist()
-        if "input" in record:
+        if record.get("input"):
             head += encode_text(bundle, "\n" + record["input"], False).tolist()
         reply = [*encode_text(bundle, record["output"], False).tolist(), eos]
         assert out["sequence"].tolist() == head + reply

@@ -92,8 +92,8 @@ class Section(_Strict):
     train_turns: Literal["all", "last"] = Field(
         "all",
         description=(
-            "which trained messages train: all, or only the last one (earlier turns masked, as"
-            " LLaMA-Factory's mask_history)"
+            "which trained messages train: all, or only the last turn's (those after the last"
+            " user message; earlier turns masked, as LLaMA-Factory's mask_history)"
         ),
     )
     message_train_field: str | None = Field(

@@ -80,9 +80,9 @@ def _arguments(arguments: Any) -> list[tuple[str, Any]]:
 def _forms(text: str, escaped: bool = False) -> list[str]:
     """A text as templates show it: as given, trimmed, and (for tool arguments) JSON-escaped."""
     forms = [text, text.strip(), text.strip("\n"), text.lstrip("\n")]
-    if escaped:
-        once = json.dumps(text, ensure_ascii=False)[1:-1]
-        forms += [once, json.dumps(text)[1:-1], json.dumps(once, ensure_ascii=False)[1:-1]]
+    if escaped:  # written into JSON once or twice (a JSON string passed through tojson)
+        for once in (json.dumps(text, ensure_ascii=False)[1:-1], json.dumps(text)[1:-1]):
+            forms += [once, json.dumps(once, ensure_ascii=False)[1:-1]]
     return list(dict.fromkeys(f for f in forms if f))
 
 
@@ -107,15 +107,16 @@ def dropped(
                     f"messages[{k}] (role {message.get('role')!r}): its {what} does not appear "
                     "in the rendering: the chat template drops it"
                 )
-    holders: dict[str, list[tuple[int, str]]] = {}  # a text several messages hold: who holds it
+    holders: dict[str, list[tuple[int, str, list[str]]]] = {}  # a text several messages hold
     for k, message_items_k in enumerate(items):
         for what, forms in message_items_k:
-            holders.setdefault(forms[0], []).append((k, what))
+            holders.setdefault(forms[0], []).append((k, what, forms))
     for text_held, held in holders.items():
-        if len(held) > 1 and text.count(text_held) < len(held):
-            who = ", ".join(f"messages[{k}] ({what})" for k, what in held)
+        shown = max((text.count(form) for form in held[0][2]), default=0)
+        if len(held) > 1 and shown < len(held):
+            who = ", ".join(f"messages[{k}] ({what})" for k, what, _ in held)
             raise ContentDropped(
-                f"{who}: {text_held[:40]!r} shows {text.count(text_held)} time(s) in the rendering "
+                f"{who}: {text_held[:40]!r} shows {shown} time(s) in the rendering "
                 f"for {len(held)} messages: the chat template drops it"
             )
     for j, tool in enumerate(tools or []):

@@ -33,6 +33,16 @@ from tokenmill.preprocess.truncation import Part
 Ahead = tuple[Section, list[dict], "list[dict] | None", str, "TokenOffsets | None"]
 
 
+def _last_turn(section: Section, messages: list[dict], actions: list[bool]) -> list[bool]:
+    """`train_turns: last`: only the messages after the last user message keep their action
+    (the last turn: a reply, or its tool calls, results and answer); all of them where no
+    user message is given. Kept with the part, so a truncated record's re-rendering keeps it."""
+    if section.train_turns != "last":
+        return actions
+    users = [k for k, m in enumerate(messages) if m.get("role") == "user"]
+    return [trains and k > (users[-1] if users else -1) for k, trains in enumerate(actions)]
+
+
 def present(record: Record, sections: list[Section]) -> list[Section]:
     """The sections this record has: an optional one it lacks (or gives as null) is left out."""
     return [s for s in sections if not s.optional or record.data.get(s.field) is not None]
@@ -97,6 +107,7 @@ class PartMaker:
         actions = self._actions(record, section, field, messages)
         tally.chars += sum(len(m["content"] or "") for m in messages)
         empty = np.empty(0, dtype=np.int32)
+        actions = _last_turn(section, messages, actions)
         return Part(section, field, first, empty, empty.astype(bool), messages, actions)
 
     def _continue_chat(
@@ -112,14 +123,12 @@ class PartMaker:
             messages, actions = messages[len(before) :], actions[len(before) :]
         tally.chars += sum(len(m["content"] or "") for m in messages)
         messages, actions = before + messages, (part.actions or []) + actions
+        actions = _last_turn(section, messages, actions)
         return Part(section, part.field, part.first, part.ids, part.mask, messages, actions)
 
     def _rendered(self, record: Record, part: Part, tally: Tally) -> Part:
         """A chat part with its tokens and mask: one rendering of all its messages."""
-        messages, actions = part.messages or [], list(part.actions or [])
-        if part.section.train_turns == "last" and any(actions):
-            last = max(k for k, trains in enumerate(actions) if trains)
-            actions = [k == last for k in range(len(actions))]
+        messages, actions = part.messages or [], part.actions or []
         ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
         tally.tokens += len(ids)
         return replace(part, ids=ids, mask=mask)
@@ -165,7 +174,7 @@ class PartMaker:
                 f"expected a string, got {type(value).__name__}",
                 "wrong_type",
             )
-        value = section.prefix + value
+        value = section.prefix + value if value else value  # an empty input adds nothing
         tally.chars += len(value)
         add_special = (
             section.add_special_tokens if section.add_special_tokens is not None else first

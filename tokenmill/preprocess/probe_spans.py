@@ -133,26 +133,27 @@ def assistant_header(render: Renderer) -> str:
 
 
 def anchored_starts(
-    text: str, messages: list[dict], actions: list[bool], opener: str, limit: int
+    text: str, messages: list[dict], actions: list[bool], opener: str, first: int, limit: int
 ) -> list[int] | None:
     """Where each message starts, read from the real rendering alone: each message's own text
     (mask_proof.message_items) is found in order, and the message starts at the last header
     opening (`<|im_start|>`) before it. A message with no text of its own takes an opening
     between its neighbours'. None where the openings do not tell: too few of them, or none
-    between a trained and an untrained message."""
+    between a trained and an untrained message. The search starts at `first`, message 0's
+    header: the tools block before it may hold a message's words."""
     regions: list[tuple[int, int] | None] = []
-    cursor = 0
+    cursor = first
     for message in messages:
-        first = None
+        found = None
         for _, forms in message_items(message):
             hit = find_item(text, forms, cursor, limit)
             if hit is None:
                 return None
-            first = hit[0] if first is None else first
+            found = hit[0] if found is None else found
             cursor = hit[1]
-        regions.append(None if first is None else (first, cursor))
+        regions.append(None if found is None else (found, cursor))
     starts: list[int] = []
-    end, waiting = 0, []  # where the last placed message's text ends; messages not yet placed
+    end, waiting = first, []  # where the last placed message's text ends; messages not placed
     for k, region in enumerate([*regions, (limit, limit)]):
         waiting.append(k)
         if region is None:

@@ -10,6 +10,7 @@ chat of a record.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Literal
 
@@ -91,21 +92,28 @@ def masked_rendering(
     offsets = encode_offsets(bundle, text) if made is None else made
     items = [message_items(m) for m in messages]
     dropped(text, messages, items, tools)
-    header = assistant_header(render) if train_spans == "turn" else ""
+    header = assistant_header(render)
     opener = header_opener(render)
     span_starts = _probed_starts(render, bundle, messages, actions, text, prompt_start, offsets)
-    proven = (text, messages, items, actions, prompt_start, offsets, header, opener)
+    span_starts = _past_end_of_turn(span_starts, text, bundle.eos_token, opener)
+    proven = Proven(
+        text, messages, items, actions, prompt_start, offsets, header, opener, bundle.eos_token,
+        train_spans == "turn",
+    )  # fmt: skip
     try:
-        mask = _proven_mask(span_starts, *proven)
+        mask = _proven_mask(span_starts, proven)
     except MaskUnproven:
         # a template that renders by content (Qwen3.5 finds its last query by its text) can
-        # fool the probes: the message's own text in the real rendering places it instead
-        anchored = (
-            anchored_starts(text, messages, actions, opener, prompt_start) if opener else None
-        )
+        # fool the probes: the message's own text in the real rendering places it instead,
+        # read from message 0's header on (not the tools block before it)
+        anchored = None
+        if opener and text.startswith(opener, span_starts[0]):
+            anchored = anchored_starts(
+                text, messages, actions, opener, span_starts[0], prompt_start
+            )
         if anchored is None:
             raise
-        mask = _proven_mask(anchored, *proven)
+        mask = _proven_mask(anchored, proven)
     return _with_bos(bundle, offsets.ids, mask)
 
 
@@ -141,38 +149,83 @@ def _probed_starts(
     return span_starts
 
 
-def _proven_mask(
-    span_starts: list[int],
-    text: str,
-    messages: list[dict],
-    items: list[list[Item]],
-    actions: list[bool],
-    prompt_start: int,
-    offsets: TokenOffsets,
-    header: str,
-    opener: str | None,
-) -> np.ndarray:
+def _past_end_of_turn(
+    span_starts: list[int], text: str, eos: str | None, opener: str | None
+) -> list[int]:
+    """A span that opens with the end-of-sequence token (`<｜end▁of▁sentence｜>` after
+    DeepSeek's tool calls, `<|im_end|>`) gives it to the message before, whose turn it closes,
+    with the line breaks after it where the next header opening follows them."""
+    if not eos:
+        return span_starts
+    moved = []
+    for k, start in enumerate(span_starts):
+        if k and text.startswith(eos, start):
+            start += len(eos)
+            after = start
+            while text.startswith("\n", after):
+                after += 1
+            if opener and text.startswith(opener, after):
+                start = after
+        moved.append(start)
+    return moved
+
+
+@dataclass(frozen=True)
+class Proven:
+    """What a mask is made from and proven against, besides the span starts."""
+
+    text: str
+    messages: list[dict]
+    items: list[list[Item]]
+    actions: list[bool]
+    prompt_start: int
+    offsets: TokenOffsets
+    header: str  # the assistant's role header
+    opener: str | None
+    eos: str | None
+    turn: bool  # train_spans: turn (the header masked)
+
+
+def _proven_mask(span_starts: list[int], p: Proven) -> np.ndarray:
     """The mask of these spans, proven (mask_proof.py). Message k's span runs to the next
     one's start (the last to the generation prompt); a trained assistant message trains its
-    span past `header` (the role header, where the span opens with it); each token takes the
-    action of the span holding its first character; the preamble before message 0 and the
+    span, past its role header (where the span opens with it) under `turn`; each token takes
+    the action of the span holding its first character; the preamble before message 0 and the
     generation prompt never train."""
-    ends = [*span_starts[1:], prompt_start]
+    ends = [*span_starts[1:], p.prompt_start]
     spans = list(zip(span_starts, ends))
+    header = p.header if p.turn else ""
     trained = [
         (start + len(header), end)
-        if header and message.get("role") == "assistant" and text.startswith(header, start)
+        if header and message.get("role") == "assistant" and p.text.startswith(header, start)
         else (start, end)
-        for message, (start, end) in zip(messages, spans)
+        for message, (start, end) in zip(p.messages, spans)
     ]
-    mask = np.zeros(len(offsets.ids), dtype=bool)
+    mask = np.zeros(len(p.offsets.ids), dtype=bool)
     if all(a <= b for a, b in spans) and all(b <= c for (_, b), (c, _) in pairwise(spans)):
-        bounds = offsets.counts_before([x for span in trained for x in span])
-        for trains, first, end in zip(actions, bounds[0::2], bounds[1::2]):
+        bounds = p.offsets.counts_before([x for span in trained for x in span])
+        for trains, first, end in zip(p.actions, bounds[0::2], bounds[1::2]):
             if trains:
                 mask[first:end] = True
-    prove(text, messages, items, actions, spans, trained, offsets, mask, opener)
+    prove(p.text, p.messages, p.items, p.actions, spans, trained, p.offsets, mask, p.opener)
+    _prove_turns(p, spans)
     return mask
+
+
+def _prove_turns(p: Proven, spans: list[tuple[int, int]]) -> None:
+    """What a turn's text proves beyond its items: a trained assistant span of a template with
+    a header opening opens with the assistant's header (not another role's), and no span
+    beside a trained one opens with the end-of-sequence token that closes the turn before."""
+    for k, (start, _) in enumerate(spans):
+        role = p.messages[k].get("role")
+        if p.actions[k] and role == "assistant" and p.opener and p.header:
+            if not p.text.startswith(p.header, start):
+                raise MaskUnproven(f"messages[{k}] (role 'assistant'): its span opens another turn")
+        beside_trained = p.actions[k] or (k > 0 and p.actions[k - 1])
+        if k and beside_trained and p.eos and p.text.startswith(p.eos, start):
+            raise MaskUnproven(
+                f"messages[{k}] (role {role!r}): its span opens with the end of the turn before"
+            )
 
 
 def _with_bos(

@@ -68,12 +68,12 @@ def cut(
     if not len(trained):
         return ids[:limit], mask[:limit]
     first, excess, head = int(trained[0]), len(ids) - limit, int(has_bos)
-    if (
-        header
-        and first - len(header) >= head
-        and ids[first - len(header) : first].tolist() == list(header)
-    ):
-        first -= len(header)
+    start = first - len(header)
+    if header and start >= head:
+        opened = ids[start:first].tolist()
+        # the header's last token may have merged with the reply's first characters ("\n\n\n")
+        if opened == list(header) or opened[:-1] == list(header[:-1]) != []:
+            first = start
     if first - head >= excess:
         keep = np.r_[0 : first - excess, first : len(ids)]
     else:

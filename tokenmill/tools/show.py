@@ -119,10 +119,11 @@ def sample_from_records(
     """Record `index` (0-based, over the inputs in order) processed exactly as the pipeline would."""
     masker = RecordMasker(config, bundle)
     seen = 0
+    unit = config.input.text_unit
     for path in list_inputs(paths):
-        for record in islice(read_records(path), max(0, index - seen), None):
+        for record in islice(read_records(path, text_unit=unit), max(0, index - seen), None):
             return masker.process(record)
-        seen += sum(1 for _ in read_records(path))
+        seen += sum(1 for _ in read_records(path, text_unit=unit))
     raise IndexError(f"index {index} out of range: the inputs hold {seen} records")
 
 
