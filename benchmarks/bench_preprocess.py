@@ -32,11 +32,11 @@ from pathlib import Path
 import orjson
 import tokenizers
 
-from tokenmill.preprocess.chat_template import render_text
+from tokenmill.preprocess.chat.template import render_text
+from tokenmill.preprocess.chat.tokenizer import empty_word_cache, load_tokenizer
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.tokenizer import empty_word_cache, load_tokenizer
+from tokenmill.preprocess.run.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "data" / "tokenizers" / "qwen2.5"

@@ -12,7 +12,7 @@ shuffled, `workers` DataLoader workers), reading one epoch:
 
 - bucket, small cache: a shuffled epoch of another dataset (many small shards) through a
   cache half its size, with the fetches ahead of the sample order and without them
-  (`training.prefetch.ORDER_LOOKAHEAD` = 0), interleaved, each from an empty cache, through
+  (`training.order_ahead.ORDER_LOOKAHEAD` = 0), interleaved, each from an empty cache, through
   a proxy that holds each request LATENCY_S (a real bucket's round trip; loopback has none).
 
 Figures: first-batch latency (from iter() to the first batch, worker start-up included) and
@@ -44,9 +44,9 @@ import numpy as np
 
 from tokenmill.dataflow import DataflowLoader, MapDistributor
 from tokenmill.shards.manifest import write_manifest
-from tokenmill.shards.remote import Remote
 from tokenmill.shards.writer import ShardWriter
-from tokenmill.training import prefetch
+from tokenmill.storage.remote import Remote
+from tokenmill.training import order_ahead
 from tokenmill.training.dataset_factory import DatasetFactory
 
 WINDOW, BATCH = 2048, 8
@@ -243,13 +243,13 @@ def small_cache(
         [(p, p.relative_to(local).as_posix()) for p in files]
     )
     options = {"endpoint_url": slow}
-    saved = prefetch.ORDER_LOOKAHEAD
+    saved = order_ahead.ORDER_LOOKAHEAD
     times: dict[str, list[float]] = {"without": [], "with": []}
     downloads: dict[str, int] = {}
     try:
         for r in range(repeats):
             for name, look in (("without", 0), ("with", saved)):
-                prefetch.ORDER_LOOKAHEAD = look  # forked workers inherit it
+                order_ahead.ORDER_LOOKAHEAD = look  # forked workers inherit it
                 cache = work / f"small-cache-{name}-{r}"
                 dataset = DatasetFactory.load("seq", url, window_size=WINDOW, cache_dir=cache,
                                               cache_limit=size // 2, storage_options=options)  # fmt: skip
@@ -259,7 +259,7 @@ def small_cache(
                 downloads[name] = dataset.store.cache_stats()["downloads"]
                 shutil.rmtree(cache, ignore_errors=True)
     finally:
-        prefetch.ORDER_LOOKAHEAD = saved
+        order_ahead.ORDER_LOOKAHEAD = saved
     return {
         "shards": shards, "shard_mb": size / shards / 1e6,
         "without s": statistics.median(times["without"]), "with s": statistics.median(times["with"]),

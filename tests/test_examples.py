@@ -6,8 +6,8 @@ import pytest
 from helpers import ROOT
 
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS
+from tokenmill.preprocess.run.pipeline import Pipeline
 
 PAGE = (ROOT / "docs" / "examples.md").read_text()
 

@@ -1,14 +1,18 @@
-"""The house's rules, checked on the source: which folder may import which, no cycle, no
-private name across modules, and neither the shard format nor preprocessing imports torch.
+"""The house's rules, checked on the source: which room may import which, rooms inside a
+room never import each other both ways, every room lists its modules, no cycle, no private
+name across modules, and neither the shard format, object storage nor preprocessing imports
+torch.
 
-Layers, bottom up: shards/ (the format) -> preprocess/ | training/ -> dataflow/ -> tools/.
-training/ reaches preprocess/ only through the raw-JSONL route; dataflow/ uses only
-preprocess/packing.py (the one best-fit packer).
+Layers, bottom up: shards/ (the format) -> storage/ (object storage) -> preprocess/ |
+training/ -> dataflow/ -> tools/. training/ reaches preprocess/ only through the raw-JSONL
+route; dataflow/ uses only preprocess/packing.py (the one best-fit packer) and knows nothing
+of object storage.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +23,11 @@ PACKAGE = ROOT / "tokenmill"
 # folder -> the tokenmill folders it may import from (besides itself and the package root)
 ALLOWED = {
     "shards": set(),
-    "preprocess": {"shards"},
-    "training": {"shards", "preprocess"},
+    "storage": {"shards"},
+    "preprocess": {"shards", "storage"},
+    "training": {"shards", "storage", "preprocess"},
     "dataflow": {"shards", "training", "preprocess"},
-    "tools": {"shards", "preprocess", "training", "dataflow"},
+    "tools": {"shards", "storage", "preprocess", "training", "dataflow"},
 }
 # the only modules through which a folder may reach a sibling it otherwise must not
 NARROW = {
@@ -65,6 +70,59 @@ def folder(module: str) -> str | None:
 def test_every_module_lives_in_a_folder_of_the_flow():
     loose = [m for m in modules() if m.count(".") == 1 and folder(m) is None]
     assert sorted(loose) == ["tokenmill.__main__"], loose
+
+
+def unit(module: str) -> str | None:
+    """A module's place inside its room: the inner room it lies in, or itself for a module of
+    the room's own (tokenmill.preprocess.chat.spans -> preprocess.chat; .config -> itself)."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] not in ALLOWED:
+        return None
+    return ".".join(parts[1:3])
+
+
+def test_rooms_inside_a_room_import_one_way():
+    """Inside a room, its inner rooms and own modules form no cycle (imports at module level;
+    one inside a function reaches an optional engine only when asked)."""
+    graph: dict[str, set[str]] = {}
+    for module, path in modules().items():
+        here = unit(module)
+        if here is None:
+            continue
+        for target, _ in imports(path, top_level_only=True):
+            there = unit(target)
+            if there and there != here and there.split(".")[0] == here.split(".")[0]:
+                graph.setdefault(here, set()).add(there)
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("rooms import both ways: " + " -> ".join(trail + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
+def test_every_room_lists_its_modules():
+    """A room's __init__ docstring names each of its modules and inner rooms (in flow order)."""
+    unlisted = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        room = init.parent
+        if room == PACKAGE or room.parent == PACKAGE and room.name == "tools":
+            continue
+        text = ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = [p.stem for p in room.glob("*.py") if p.stem != "__init__"]
+        names += [d.name + "/" for d in room.iterdir() if (d / "__init__.py").is_file()]
+        for name in names:
+            if not re.search(rf"(?<![\w/]){re.escape(name)}(?![\w])", text):
+                unlisted.append(f"{room.relative_to(ROOT)}: {name}")
+    assert not unlisted, "\n".join(unlisted)
 
 
 def test_imports_run_only_downward():
@@ -121,7 +179,9 @@ def test_no_import_cycle_at_module_level():
 
 
 def test_the_format_and_preprocessing_never_import_torch():
-    names = [m for m in modules() if folder(m) in ("shards", "preprocess") or m == "tokenmill"]
+    names = [
+        m for m in modules() if folder(m) in ("shards", "storage", "preprocess") or m == "tokenmill"
+    ]
     code = (
         "import importlib, sys\n"
         f"for name in {names!r}:\n"

@@ -22,8 +22,8 @@ from transformers import (
 
 from tokenmill.dataflow import SFTPaddingCollator
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS
+from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.training.dataset_factory import DatasetFactory
 from tokenmill.training.hf_names import IGNORE_INDEX, HFNamedDataset, hf_dataset, hf_item
 

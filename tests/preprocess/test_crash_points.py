@@ -14,8 +14,8 @@ import pytest
 from helpers import ROOT
 
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
+from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.verify import verify_dataset
 
@@ -43,7 +43,7 @@ class Crash:
     def install(self) -> None:
         """Wraps each write function wherever a tokenmill module bound it, and the writes
         that are methods: journal lines, run-folder removal, a staged shard's finish."""
-        from tokenmill.preprocess.runlog import Journal
+        from tokenmill.preprocess.run.runlog import Journal
         from tokenmill.shards import files
         from tokenmill.shards.writer import StagedPart, StagedShard
 

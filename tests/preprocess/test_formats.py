@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from helpers import DATA, TOKENIZERS
 
+from tokenmill.preprocess.chat.tokenizer import load_tokenizer
+from tokenmill.preprocess.chat.training_templates import FOLDER as TEMPLATES_DIR
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.fields import check_messages
-from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.inputs.fields import check_messages
+from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.tokenizer import load_tokenizer
-from tokenmill.preprocess.training_templates import FOLDER as TEMPLATES_DIR
 
 FAMILIES = ["qwen2.5", "qwen3", "deepseek-v3"]
 
@@ -215,7 +215,7 @@ def test_an_implicit_conversational_prompt_trains_only_the_final_reply(oracles):
 
 
 def test_grpo_prompt_only_data_gives_prompts_for_online_generation(tmp_path, oracles):
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
     from tokenmill.training.dataset_factory import DatasetFactory
 
     prompts = [[{"role": "user", "content": f"Question {i}: what is {i} + {i}?"}] for i in range(5)]
@@ -303,7 +303,7 @@ def test_generation_blocks_mark_what_trains_as_transformers_reads_them(tmp_path)
 
 
 def test_kto_unpaired_preferences_load_with_their_labels(tmp_path, oracles):
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
     from tokenmill.training.dataset_factory import DatasetFactory
 
     prompt = [{"role": "user", "content": "Name a prime number."}]

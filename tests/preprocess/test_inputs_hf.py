@@ -13,9 +13,9 @@ import pytest
 from helpers import DATA, QWEN
 
 from tokenmill import Pipeline, default_config
-from tokenmill.preprocess.hf_inputs import DatasetInput
-from tokenmill.preprocess.inputs import input_identity, list_inputs
-from tokenmill.preprocess.records import RecordError, read_records
+from tokenmill.preprocess.inputs.files import input_identity, list_inputs
+from tokenmill.preprocess.inputs.hf import DatasetInput
+from tokenmill.preprocess.inputs.records import RecordError, read_records
 from tokenmill.tools.cli import main
 
 ROWS = [json.loads(x) for x in (DATA / "pretrain_c4_300.jsonl").read_text().split("\n") if x][:40]

@@ -8,15 +8,15 @@ from helpers import DATA, QWEN, TOKENIZERS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.preprocess.chunks import Chunk, process_chunk
+from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.engines.chunks import Chunk, process_chunk
+from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.ledger import DROP_REASONS, Ledger
-from tokenmill.preprocess.masking import RecordMasker
 from tokenmill.preprocess.packing import PACKING_STRATEGIES
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.tokenizer import load_tokenizer
+from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.shards.format import row_tokens
 from tokenmill.training.factory import StoreFactory
 

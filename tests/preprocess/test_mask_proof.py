@@ -1,4 +1,4 @@
-"""Masks that cannot be silently wrong (preprocess/mask_proof.py, spans.py, training_templates.py):
+"""Masks that cannot be silently wrong (preprocess/chat/mask_proof.py, spans.py, chat/training_templates.py):
 every chat record's spans proven against its own rendering, the field's loss convention, and the
 chat template under the config's control. Oracles: transformers' apply_chat_template and its
 `{% generation %}` masks (TRL's training templates, read from the installed trl package)."""
@@ -16,17 +16,17 @@ from helpers import DATA, ROOT, TOKENIZERS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenmill.preprocess import spans
+from tokenmill.preprocess.chat import spans
+from tokenmill.preprocess.chat.mask_proof import MaskUnproven
+from tokenmill.preprocess.chat.spans import render_conversation
+from tokenmill.preprocess.chat.tokenizer import load_tokenizer
+from tokenmill.preprocess.chat.training_templates import FOLDER, TEMPLATES, template_text
 from tokenmill.preprocess.config import ConfigError, PipelineConfig
-from tokenmill.preprocess.fields import check_messages, get_tools
-from tokenmill.preprocess.mask_proof import MaskUnproven
-from tokenmill.preprocess.masking import RecordMasker
-from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.inputs.fields import check_messages, get_tools
+from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.spans import render_conversation
-from tokenmill.preprocess.tokenizer import load_tokenizer
-from tokenmill.preprocess.training_templates import FOLDER, TEMPLATES, template_text
+from tokenmill.preprocess.run.pipeline import Pipeline
 
 QWEN35_STYLE = (ROOT / "tests" / "data" / "qwen35_style.jinja").read_text()
 GLAIVE = json.loads((DATA / "toolcall_glaive_zh_300.json").read_text())

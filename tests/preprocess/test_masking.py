@@ -3,11 +3,11 @@
 import pytest
 from helpers import ROOT
 
+from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.inputs.records import RecordError
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import RecordError
-from tokenmill.preprocess.tokenizer import load_tokenizer
 
 TOK = ROOT / "data" / "tokenizers"
 QWEN = load_tokenizer(TOK / "qwen2.5")

@@ -16,11 +16,11 @@ from helpers import ROOT
 from malformed import PIPELINE_CASES, PIPELINE_CONFIGS
 
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.filters import FILTER_REASONS
+from tokenmill.preprocess.document.filters import FILTER_REASONS
+from tokenmill.preprocess.inputs.records import RecordError
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import RecordError
+from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards
 from tokenmill.shards.verify import verify_dataset

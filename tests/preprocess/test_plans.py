@@ -13,10 +13,10 @@ import zstandard
 from helpers import ROOT
 from malformed import CASES
 
-from tokenmill.preprocess import plans
-from tokenmill.preprocess.chunks import iter_chunks
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.plans import plan_chunks, read_chunk, scan_file
+from tokenmill.preprocess.engines import plans
+from tokenmill.preprocess.engines.chunks import iter_chunks
+from tokenmill.preprocess.engines.plans import plan_chunks, read_chunk, scan_file
 
 DATA = ROOT / "data"
 

@@ -16,18 +16,16 @@ import pytest
 from helpers import ROOT
 from test_plans import lines_of, mixed_inputs
 
-from tokenmill.preprocess import (
-    plans,
-    ray_engine,
-    ray_head_start,
-    ray_merge,
-    ray_results,
-    ray_writer,
-)
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.engines import plans
+from tokenmill.preprocess.inputs.records import RecordError
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import RecordError
+from tokenmill.preprocess.ray import engine as ray_engine
+from tokenmill.preprocess.ray import head_start as ray_head_start
+from tokenmill.preprocess.ray import merge as ray_merge
+from tokenmill.preprocess.ray import results as ray_results
+from tokenmill.preprocess.ray import writer as ray_writer
+from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards
 from tokenmill.shards.writer import ShardWriter
@@ -485,7 +483,7 @@ def test_an_error_of_the_pull_reaches_the_reader():
 
 
 def chunk_result(index: int):
-    from tokenmill.preprocess.chunks import ChunkResult
+    from tokenmill.preprocess.engines.chunks import ChunkResult
 
     return ChunkResult(index, 1, 1, [("", None)], [], sizes=[5])
 

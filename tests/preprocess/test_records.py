@@ -18,9 +18,9 @@ import zstandard
 from helpers import ROOT
 from malformed import CASES, CHAT_ROLES, PIPELINE_CASES, RECORDS_CASES, Case
 
-from tokenmill.preprocess.fields import check_messages, get_field
-from tokenmill.preprocess.inputs import INPUT_SUFFIXES, list_inputs
-from tokenmill.preprocess.records import Record, RecordError, read_records
+from tokenmill.preprocess.inputs.fields import check_messages, get_field
+from tokenmill.preprocess.inputs.files import INPUT_SUFFIXES, list_inputs
+from tokenmill.preprocess.inputs.records import Record, RecordError, read_records
 
 DATA = ROOT / "data"
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from helpers import DATA, TOKENIZERS
 
+from tokenmill.preprocess.chat.tokenizer import encode_text, load_tokenizer
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.masking import RecordMasker
-from tokenmill.preprocess.pipeline import Pipeline
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
+from tokenmill.preprocess.run.pipeline import Pipeline
 
 QWEN = TOKENIZERS / "qwen2.5"
 CHAT = [

@@ -1,4 +1,4 @@
-"""Chat templates (preprocess/tokenizer.py, chat_template.py, spans.py): real tokenizers, checked against transformers' apply_chat_template."""
+"""Chat templates (preprocess/chat/tokenizer.py, chat/template.py, spans.py): real tokenizers, checked against transformers' apply_chat_template."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from helpers import ROOT
 
-from tokenmill.preprocess.chat_template import Renderer, render_text
-from tokenmill.preprocess.mask_proof import ContentDropped
-from tokenmill.preprocess.spans import render_conversation
-from tokenmill.preprocess.tokenizer import encode_text, load_tokenizer
+from tokenmill.preprocess.chat.mask_proof import ContentDropped
+from tokenmill.preprocess.chat.spans import render_conversation
+from tokenmill.preprocess.chat.template import Renderer, render_text
+from tokenmill.preprocess.chat.tokenizer import encode_text, load_tokenizer
 
 DATA = ROOT / "data"
 FAMILIES = ["qwen2.5", "deepseek-v3", "qwen3"]
@@ -429,7 +429,7 @@ def test_what_is_kept_per_message_shape_follows_the_generation_prompt_and_the_ac
     """The glue, role tails and first header read from marker renderings are kept per message
     shape: one conversation with and without a generation prompt, and with other roles
     trained, in any order, gets the ids and mask it gets from nothing kept."""
-    from tokenmill.preprocess import chat_template
+    from tokenmill.preprocess.chat import template as chat_template
 
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -472,10 +472,10 @@ def test_templates_that_loop_or_allocate_without_bound_are_counted_bad_records(
     """Each hostile record is a named template_error the run skips and counts; the good
     records around them are written as usual. On two threads, a record a chunk (batch_size
     1), two renderings are watched at once: each is stopped, in its own thread."""
-    from tokenmill.preprocess import chat_template
+    from tokenmill.preprocess.chat import template as chat_template
     from tokenmill.preprocess.config import PipelineConfig
-    from tokenmill.preprocess.pipeline import Pipeline
     from tokenmill.preprocess.presets import default_config
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.5)
     folder = tmp_path / "hostile"

@@ -16,14 +16,14 @@ from helpers import DATA, TOKENIZERS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.preprocess.chat_template import render_text
-from tokenmill.preprocess.token_offsets import (
+from tokenmill.preprocess.chat.template import render_text
+from tokenmill.preprocess.chat.token_offsets import (
     _byte_level,
     _cuts_at_added,
     _kept,
     encode_offsets,
 )
-from tokenmill.preprocess.tokenizer import (
+from tokenmill.preprocess.chat.tokenizer import (
     TokenizerBundle,
     load_tokenizer,
     tokenizer_threads_are_off,

@@ -18,19 +18,20 @@ from helpers import ROOT, TOKENIZERS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenmill.preprocess import chunks, spans
-from tokenmill.preprocess.chunks import encode_ahead, render_ahead
-from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.masking import RecordMasker
-from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.tokenizer import (
+from tokenmill.preprocess.chat import spans
+from tokenmill.preprocess.chat.tokenizer import (
     encode_fast,
     encode_text,
     is_stable,
     load_tokenizer,
     unnormalized,
 )
+from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.engines import chunks
+from tokenmill.preprocess.engines.chunks import encode_ahead, render_ahead
+from tokenmill.preprocess.inputs.records import Record, RecordError
+from tokenmill.preprocess.presets import default_config
 
 TEXTS = ["Hello world.", "  leading spaces and\nnew lines", "数据 and δέλτα", ""]
 

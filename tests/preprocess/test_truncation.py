@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from helpers import DATA, TOKENIZERS
 
+from tokenmill.preprocess.chat.spans import render_conversation
+from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.masking import RecordMasker
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.presets import default_config
-from tokenmill.preprocess.records import Record, RecordError
-from tokenmill.preprocess.spans import render_conversation
-from tokenmill.preprocess.tokenizer import load_tokenizer
 
 FAMILIES = ["qwen2.5", "qwen3", "deepseek-v3"]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from bucket_helpers import QWEN, SOURCES, small_config, source
 
-from tokenmill.preprocess.pipeline import Pipeline
-from tokenmill.shards import remote as remote_module
+from tokenmill.preprocess.run.pipeline import Pipeline
+from tokenmill.storage import remote as remote_module
 
 
 def free_port() -> int:

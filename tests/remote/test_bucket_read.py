@@ -18,8 +18,8 @@ from bucket_helpers import files_of
 
 from tokenmill import DataflowLoader, DatasetFactory, MapDistributor
 from tokenmill.dataflow import SFTPaddingCollator, SimpleBatcher
-from tokenmill.shards import remote as remote_module
-from tokenmill.shards.remote import Remote
+from tokenmill.storage import remote as remote_module
+from tokenmill.storage.remote import Remote
 from tokenmill.training.mmap_store import MmapStore
 
 pytestmark = pytest.mark.slow  # an S3 server, DataLoader workers

@@ -16,13 +16,13 @@ from bucket_helpers import QWEN, small_config, source
 from test_bucket_read import batches, dataset_bytes, largest_shard, load, loader, same
 from torch.utils.data import DataLoader
 
-from tokenmill.preprocess import bucket_lock
-from tokenmill.preprocess.bucket_lock import LOCK, BucketLock
-from tokenmill.preprocess.pipeline import Pipeline
-from tokenmill.preprocess.upload import BucketOutput
-from tokenmill.shards.remote import Remote
+from tokenmill.preprocess.run.pipeline import Pipeline
+from tokenmill.preprocess.run.upload import BucketOutput
+from tokenmill.storage import bucket_lock
+from tokenmill.storage.bucket_lock import LOCK, BucketLock
+from tokenmill.storage.remote import Remote
 from tokenmill.tools.cli import main
-from tokenmill.training import prefetch
+from tokenmill.training import order_ahead
 from tokenmill.training.sampler import RDSampler
 
 pytestmark = pytest.mark.slow  # an S3 server
@@ -79,7 +79,7 @@ def test_rdsampler_in_a_plain_dataloader_fetches_ahead_and_reads_the_local_batch
 
 def test_no_read_ahead_for_data_on_disk(datasets):
     local, _ = datasets["seq"]
-    assert prefetch.order_read_ahead(load("seq", local), 0, True) is None
+    assert order_ahead.order_read_ahead(load("seq", local), 0, True) is None
 
 
 # --- the tools on a URL --------------------------------------------------------------------

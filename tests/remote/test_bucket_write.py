@@ -14,11 +14,11 @@ import fsspec
 import pytest
 from bucket_helpers import QWEN, download, files_of, small_config, source
 
-from tokenmill.preprocess.pipeline import Pipeline
-from tokenmill.preprocess.records import RecordError
-from tokenmill.preprocess.upload import BucketOutput, _published_in
-from tokenmill.shards.remote import Remote, parse_size
+from tokenmill.preprocess.inputs.records import RecordError
+from tokenmill.preprocess.run.pipeline import Pipeline
+from tokenmill.preprocess.run.upload import BucketOutput, _published_in
 from tokenmill.shards.verify import verify_dataset
+from tokenmill.storage.remote import Remote, parse_size
 from tokenmill.tools.cli import main
 
 
@@ -233,7 +233,7 @@ def test_the_ray_engine_writes_the_same_bytes_to_the_bucket(
 ):
     """On one node the driver writes (and BucketOutput uploads, as for the local engine); on a
     cluster, the write tasks upload their shards themselves."""
-    from tokenmill.preprocess import ray_engine
+    from tokenmill.preprocess.ray import engine as ray_engine
 
     monkeypatch.setattr(ray_engine, "one_node", lambda ray: writes == "driver")
     src, cfg, local = local_run(tmp_path)
@@ -247,7 +247,7 @@ def test_the_ray_engine_writes_the_same_bytes_to_the_bucket(
 
 @pytest.mark.slow  # an S3 server and several runs
 def test_uploads_through_a_server_that_drops_connections(tmp_path, bucket, proxy, options):
-    from tokenmill.shards import remote as remote_module
+    from tokenmill.storage import remote as remote_module
 
     src, cfg, local = local_run(tmp_path, "seq")
     proxy.dropping.set()

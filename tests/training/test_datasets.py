@@ -58,7 +58,7 @@ def raw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def shards(raw: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Offline .bin datasets written by the real pipeline with each type's default config."""
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     out = {}
     for train_type, path in raw.items():
@@ -136,7 +136,7 @@ def test_bin_and_raw_jsonl_routes_give_identical_items(
 def test_pipeline_jsonl_output_loads_as_pretokenized_records(
     train_type: str, shards: dict[str, Path], raw: dict[str, Path], tmp_path: Path
 ):
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     config = default_config(train_type).model_dump(mode="json")
     config["output"]["storage_format"] = "jsonl"
@@ -316,7 +316,7 @@ def test_dataloader_workers_read_the_shards(shards: dict[str, Path]):
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """200 shipped chats written with the sft defaults: rows of whole conversations."""
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     folder = tmp_path_factory.mktemp("chats")
     with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
@@ -348,8 +348,8 @@ def test_no_sft_sample_starts_mid_conversation(chats):
 
 def test_record_samples_are_each_conversation_alone(chats):
     """Record i is conversation i as the pipeline's masker makes it, shifted by one."""
-    from tokenmill.preprocess.masking import RecordMasker
-    from tokenmill.preprocess.tokenizer import load_tokenizer
+    from tokenmill.preprocess.chat.tokenizer import load_tokenizer
+    from tokenmill.preprocess.document.masking import RecordMasker
 
     out, raw = chats
     masker = RecordMasker(default_config("sft"), load_tokenizer(TOKENIZER))
@@ -385,7 +385,7 @@ def test_record_samples_join_the_pieces_of_a_document_packed_across_rows(tmp_pat
     """`stream` packing cuts conversations at row ends: record samples put each one back
     together from the stored boundaries; row samples, which would start mid-conversation,
     are refused by name."""
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
         (tmp_path / "in.jsonl").write_text("".join(next(f) for _ in range(20)))
@@ -422,7 +422,7 @@ def test_truncating_a_row_sample_cuts_its_boundaries_too(chats):
 @pytest.fixture(scope="module")
 def two_tokenizers(raw: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """The same records preprocessed with two tokenizers of different families."""
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     out = {}
     for name in ("qwen2.5", "deepseek-v3"):

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
+from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.shards.format import PAGE_BYTES, FileHashes
 from tokenmill.shards.verify import INTEGRITY, verify_dataset
 from tokenmill.shards.writer import ShardWriter

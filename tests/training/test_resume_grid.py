@@ -37,8 +37,8 @@ WINDOW, RECORDS = 256, 24
 def build_datasets(out: Path) -> None:
     """Real shards of every train type, written by the real pipeline."""
     from tokenmill.preprocess.config import PipelineConfig
-    from tokenmill.preprocess.pipeline import Pipeline
     from tokenmill.preprocess.presets import DEFAULT_CONFIGS
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     for kind, source in SOURCES.items():
         config = copy.deepcopy(DEFAULT_CONFIGS[kind])

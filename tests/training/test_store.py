@@ -456,9 +456,9 @@ def chats(tmp_path: Path, n: int) -> Path:
 
 
 def masker(train_type):
-    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.chat.tokenizer import load_tokenizer
+    from tokenmill.preprocess.document.masking import RecordMasker
     from tokenmill.preprocess.presets import default_config
-    from tokenmill.preprocess.tokenizer import load_tokenizer
 
     return RecordMasker(default_config(train_type), load_tokenizer(TOKENIZER))
 
@@ -495,9 +495,9 @@ def test_jsonl_builtin_messages_transform(tmp_path):
 
 
 def test_jsonl_dataset_config_beside_the_data(tmp_path):
+    from tokenmill.preprocess.chat.tokenizer import load_tokenizer
     from tokenmill.preprocess.config import PipelineConfig
-    from tokenmill.preprocess.masking import RecordMasker
-    from tokenmill.preprocess.tokenizer import load_tokenizer
+    from tokenmill.preprocess.document.masking import RecordMasker
 
     path = chats(tmp_path, 3)
     config = {"input": {"sections": [{"field": "messages", "template": True, "action": "train"}]},
@@ -565,8 +565,8 @@ def test_an_unfinished_run_is_refused_and_unlisted_shards_ignored(tmp_path):
     """A tokenmill output loads only when complete; shard folders its manifest does not list
     (a copied shard, a backup/ folder) are left out, with a warning naming them."""
     from tokenmill.preprocess.config import PipelineConfig
-    from tokenmill.preprocess.pipeline import Pipeline
     from tokenmill.preprocess.presets import default_config
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     src = tmp_path / "in.jsonl"
     with open(ROOT / "data" / "pretrain_c4_300.jsonl", encoding="utf-8") as f:
@@ -594,8 +594,8 @@ def test_an_unfinished_run_is_refused_and_unlisted_shards_ignored(tmp_path):
 def test_an_edited_meta_json_is_caught_at_load_and_by_verify(tmp_path):
     """Issue 16's probe: a meta.json dtype edited from int32 to float32 made every token read
     as 0, and passed even verify. The manifest now covers meta.json."""
-    from tokenmill.preprocess.pipeline import Pipeline
     from tokenmill.preprocess.presets import default_config
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     src = tmp_path / "in.jsonl"
     with open(ROOT / "data" / "pretrain_c4_300.jsonl", encoding="utf-8") as f:

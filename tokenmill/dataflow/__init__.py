@@ -2,7 +2,7 @@
 
 DataDistributor (distributors.py) -> RawItemProcessor (processors.py) -> SampleBatcher
 (batchers.py) -> BatchCollator (collators.py), in order per worker (roles.py), driven by
-DataflowLoader (loader.py).
+DataflowLoader (loader.py); provenance (the tokenizer a loader's data was made with).
 """
 
 from tokenmill.dataflow.batchers import (

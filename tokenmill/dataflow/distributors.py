@@ -13,7 +13,7 @@ from typing import Any
 from tokenmill.dataflow.batchers import token_count
 from tokenmill.dataflow.provenance import check_one_tokenizer
 from tokenmill.shards.format import trained_count
-from tokenmill.training.prefetch import order_read_ahead
+from tokenmill.training.order_ahead import order_read_ahead
 from tokenmill.training.state import (
     STATE_VERSION,
     check_state,
@@ -109,7 +109,7 @@ class MapDistributor(_IndexedDistributor):
     Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
     count of consumed positions: O(1) to resume, under any world size. Streams `num_epochs`
     epochs, or indefinitely; `drop_last` as in `RDSampler`. Shards in a bucket are fetched
-    ahead of the order (`training.prefetch.OrderReadAhead`)."""
+    ahead of the order (`training.order_ahead.OrderReadAhead`)."""
 
     def __init__(
         self,

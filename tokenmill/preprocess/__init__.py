@@ -1,6 +1,9 @@
 """The preprocessing half: raw records -> exact tokens and masks -> shards. Never imports torch.
 
-inputs -> records -> fields -> config -> tokenizer + chat_template -> spans -> masking ->
-packing -> chunks -> engine (local | ray_engine + ray_results, with plans) -> pipeline (+ runlog; upload
-for an output at a URL).
+config (what a run makes; presets per training type) -> inputs/ (files -> records, their
+fields) -> chat/ (tokenizer, chat template, the spans of each message and their proof) ->
+document/ (a record's parts joined, truncated, masked; filters) -> packing (rows) -> engines/
+(chunks: the unit of work; the local engine) | ray/ (the same chunks on a Ray cluster) -> run/
+(pipeline: one run, resumable; runlog; upload to a bucket). ledger counts every token on the
+way.
 """

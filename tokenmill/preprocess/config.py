@@ -24,8 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from tokenmill.preprocess.chat.training_templates import TEMPLATES, resolve
 from tokenmill.preprocess.packing import PackingStrategy, PositionIdsMode
-from tokenmill.preprocess.training_templates import TEMPLATES, resolve
 from tokenmill.shards.format import DtypeName, StorageFormat
 
 Action = Literal["train", "mask", "$role", "value"]

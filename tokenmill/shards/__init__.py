@@ -2,6 +2,6 @@
 
 format (names, dtypes, limits) -> buffers (records into columns) -> files (durable writes)
 -> writer (shards published whole) -> reader (meta.json, memory maps) -> manifest
-(written last: the commit point) -> verify (sizes, checksums, offsets); remote (object
-storage: URLs, counted retries, uploads meta.json last).
+(written last: the commit point) -> verify (sizes, checksums, offsets). Object storage is
+the storage/ room's.
 """

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tokenmill.shards.remote import Remote, is_url
+from tokenmill.storage.remote import Remote, is_url
 
 
 def parse_storage_options(pairs: list[str]) -> dict[str, Any]:

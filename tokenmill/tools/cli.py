@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.engine import ENGINES
+from tokenmill.preprocess.engines.engine import ENGINES
+from tokenmill.preprocess.inputs.records import ON_ERROR
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS, default_config
-from tokenmill.preprocess.records import ON_ERROR
 from tokenmill.tools.bucket import parse_storage_options
 
 
@@ -194,7 +194,7 @@ def storage_option(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
-    from tokenmill.preprocess.pipeline import Pipeline
+    from tokenmill.preprocess.run.pipeline import Pipeline
 
     if bool(args.config) == bool(args.type):
         raise ValueError("give exactly one of --config and --type")

@@ -20,7 +20,7 @@ import numpy as np
 from tokenmill import __version__
 from tokenmill.preprocess.config import OutputConfig
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.preprocess.runlog import Summary
+from tokenmill.preprocess.run.runlog import Summary
 from tokenmill.shards.format import RUN_DIR, Column
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.pipeline import Pipeline
 from tokenmill.preprocess.presets import default_config
+from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.tools.inspect import dataset_stats, format_stats
 from tokenmill.training.dataset_factory import DatasetFactory
 

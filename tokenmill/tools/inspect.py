@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.preprocess.runlog import Summary
+from tokenmill.preprocess.run.runlog import Summary
 from tokenmill.shards.format import Column, opens_document, primary_key, shard_records
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta

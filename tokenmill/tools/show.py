@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from tokenmill.preprocess.chat.tokenizer import TokenizerBundle, load_tokenizer
+from tokenmill.preprocess.chat.training_templates import template_name
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.inputs import list_inputs
-from tokenmill.preprocess.masking import RecordMasker
-from tokenmill.preprocess.records import read_records
-from tokenmill.preprocess.tokenizer import TokenizerBundle, load_tokenizer
-from tokenmill.preprocess.training_templates import template_name
+from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.inputs.files import list_inputs
+from tokenmill.preprocess.inputs.records import read_records
 
 GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.manifest import read_manifest
-from tokenmill.shards.remote import is_url
+from tokenmill.storage.remote import is_url
 from tokenmill.training.datasets import BaseDataset, SEQDataset, SFTDataset
 from tokenmill.training.factory import StoreFactory, detect_format
 from tokenmill.training.record_datasets import DPODataset, GRPODataset, KTODataset
@@ -138,7 +138,7 @@ def _warn_other_tokenizer(dataset: BaseDataset, load_path: Any, tokenizer_path: 
     made = dataset.tokenizer_provenance
     if made is None:
         return
-    from tokenmill.preprocess.tokenizer import load_tokenizer
+    from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 
     given = load_tokenizer(tokenizer_path).fingerprint
     if given != made[0]:
@@ -151,9 +151,9 @@ def _warn_other_tokenizer(dataset: BaseDataset, load_path: Any, tokenizer_path: 
 
 def record_processor(train_type: str, tokenizer_path: str | Path) -> Any:
     """The lazy JSONL route: the built-in config for `train_type`, applied per record."""
-    from tokenmill.preprocess.masking import RecordMasker
+    from tokenmill.preprocess.chat.tokenizer import load_tokenizer
+    from tokenmill.preprocess.document.masking import RecordMasker
     from tokenmill.preprocess.presets import default_config
-    from tokenmill.preprocess.tokenizer import load_tokenizer
 
     masker = RecordMasker(default_config(train_type), load_tokenizer(tokenizer_path))
     return masker.process

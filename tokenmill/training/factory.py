@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.format import is_tmp
-from tokenmill.shards.remote import is_url
+from tokenmill.storage.remote import is_url
 from tokenmill.training.jsonl_store import JsonlStore
 from tokenmill.training.mmap_store import MmapStore
 from tokenmill.training.store import Store

@@ -50,8 +50,8 @@ class JsonlStore(Store):
             return self
         self.processor = None
         # the raw-JSONL route into preprocessing, imported only when raw records are read
-        from tokenmill.preprocess.filters import FILTER_REASONS
-        from tokenmill.preprocess.records import read_records
+        from tokenmill.preprocess.document.filters import FILTER_REASONS
+        from tokenmill.preprocess.inputs.records import read_records
 
         apply, dtypes = _choose_transform(Path(path), transform, tokenizer_path)
         dtypes = stored_dtypes if apply is _pretokenized and stored_dtypes else dtypes
@@ -130,7 +130,7 @@ class JsonlStore(Store):
             fh.seek(pos)
             text = fh.readline()
         line = _line_number(source, pos)
-        from tokenmill.preprocess.records import parse_line
+        from tokenmill.preprocess.inputs.records import parse_line
 
         try:
             return dict(self.processor(parse_line(text, str(source), line)))  # type: ignore[misc]  # set in lazy mode
@@ -181,8 +181,8 @@ def _choose_transform(
 
 
 def _masker(config: Any, tokenizer_path: str | Path) -> tuple[Callable, dict]:
-    from tokenmill.preprocess.masking import RecordMasker
-    from tokenmill.preprocess.tokenizer import load_tokenizer
+    from tokenmill.preprocess.chat.tokenizer import load_tokenizer
+    from tokenmill.preprocess.document.masking import RecordMasker
 
     masker = RecordMasker(config, load_tokenizer(tokenizer_path))
     return masker.process, masker.dtypes()

@@ -33,10 +33,10 @@ from tokenmill.shards.format import (
 )
 from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import check_sizes, find_shards, map_shard, read_meta
-from tokenmill.shards.remote import Remote, is_url, parse_size
 from tokenmill.shards.verify import INTEGRITY, check_shard, verify_dataset
-from tokenmill.training.cache import ShardCache, shard_files
-from tokenmill.training.prefetch import Prefetcher
+from tokenmill.storage.cache import ShardCache, shard_files
+from tokenmill.storage.prefetch import Prefetcher
+from tokenmill.storage.remote import Remote, is_url, parse_size
 from tokenmill.training.store import ShardView, Store, Transform
 
 READ_AHEAD = 2  # shards fetched after the one opened, while reads go through shards in order
@@ -249,7 +249,7 @@ class MmapStore(Store):
         rel, meta = self._metas[s]
         return self.cache.open(rel, meta)
 
-    # --- ahead of a sample order (prefetch.OrderReadAhead) ------------------------------------
+    # --- ahead of a sample order (order_ahead.OrderReadAhead) ---------------------------------
     def fetch_ahead(self, first: np.ndarray, last: np.ndarray | None, share: float) -> int | None:
         """Starts the downloads of the shards holding items [first, last] (stream positions, or
         with `last` None record indices) that the cache lacks, in order of need, as far as

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from tokenmill.training.prefetch import order_read_ahead
+from tokenmill.training.order_ahead import order_read_ahead
 from tokenmill.training.state import (
     advance_position,
     check_state,

@@ -1,0 +1,314 @@
+"""Inputs: which files (or in-memory datasets) a run reads and how their bytes are opened.
+
+Local paths and URLs (fsspec), folders expanded in a fixed order (a folder written by
+Hugging Face `datasets` read as its data files), `.gz`/`.zst` decompressed as streams,
+Parquet and Arrow opened by pyarrow, a `datasets.Dataset`/`IterableDataset` taken as it is;
+every input's identity (size, stamp) for resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import zstandard
+
+from tokenmill.preprocess.inputs.hf import DatasetInput, hf_dataset_kind, hf_layout
+
+INPUT_SUFFIXES = (
+    ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".arrow",
+    ".txt", ".txt.gz", ".txt.zst",
+)  # fmt: skip
+
+
+_CHUNK = 1 << 20
+
+
+InputPath = Path | str | DatasetInput  # a local path, a URL (s3://...), or an in-memory dataset
+
+
+def is_url(path: InputPath) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+def input_list(inputs: Any) -> list[Any]:
+    """The inputs a run was given, as a list: one path, URL or dataset, or a sequence of them."""
+    if isinstance(inputs, (str, Path)) or hf_dataset_kind(inputs) is not None:
+        return [inputs]
+    return list(inputs)
+
+
+def list_inputs(paths: Sequence[Any]) -> list[InputPath]:
+    """Inputs in order: files and datasets as given, folders expanded recursively and sorted.
+
+    Inside folders, names starting with "." or "_" are skipped (as pyarrow datasets do:
+    `_SUCCESS`, `.DS_Store`), and so are a Hugging Face dataset card (`README.md`,
+    `dataset_infos.json`); any other file must have a supported suffix. A folder written by
+    `Dataset.save_to_disk` is read as the Arrow files its `state.json` lists; one of a
+    `DatasetDict`, or a Hub snapshot holding several splits (`data/train-00000-of-00001.parquet`,
+    `data/test-...`), is refused: pass one split. A URL (`s3://bucket/prefix`, `gs://...`,
+    `file:///...`) is listed and read through fsspec.
+    """
+    found: list[InputPath] = []
+    for position, given in enumerate(input_list(paths), start=1):
+        kind = hf_dataset_kind(given)
+        files: Sequence[InputPath]
+        if kind in ("Dataset", "IterableDataset"):
+            files = [DatasetInput(given, position)]
+        elif kind is not None:
+            splits = ", ".join(map(str, given))
+            raise ValueError(
+                f"input {position} is a {kind} (splits: {splits}); pass one split, "
+                f"such as dataset[{next(iter(given), 'train')!r}]"
+            )
+        elif isinstance(given, str) and is_url(given):
+            files = _list_url(given)
+        elif isinstance(given, (str, Path)):
+            files = _list_local(Path(given))
+        else:
+            raise TypeError(
+                f"input {position}: expected a path, a URL or a Hugging Face datasets.Dataset, "
+                f"got {type(given).__name__}"
+            )
+        for file in files:
+            if not isinstance(file, DatasetInput):
+                input_suffix(file)
+        found.extend(files)
+    if not found:
+        raise ValueError(f"no input files given ({_supported()})")
+    seen: set[Any] = set()
+    for file in found:
+        if isinstance(file, DatasetInput):
+            key: Any = id(file.dataset)
+        else:
+            key = file if isinstance(file, str) else str(file.resolve())
+        if key in seen:
+            raise ValueError(f"input {file} is listed twice; each input must be read once")
+        seen.add(key)
+    return found
+
+
+def _list_local(path: Path) -> list[Path]:
+    path = path.absolute()  # the same file for every process that reads it, wherever it runs
+    _check_name(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"input not found: {path}")
+    relative = [
+        p.relative_to(path).parts
+        for p in _walk(path)
+        if not any(part[0] in "._" for part in p.relative_to(path).parts)
+    ]
+    chosen = hf_layout(str(path), relative, lambda parts: path.joinpath(*parts).read_bytes())
+    if not chosen:
+        raise ValueError(f"folder {path} holds no input files ({_supported()})")
+    return [path.joinpath(*parts) for parts in chosen]
+
+
+def _check_name(path: Path) -> None:
+    """A name that is not valid UTF-8 is refused: the manifest and the journal record it."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = str(path).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        raise ValueError(
+            f"{shown!r}: the name is not valid UTF-8; rename it (tokenmill records every "
+            "input's name in the manifest)"
+        ) from None
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every file below root, symlinked folders followed (each real folder once, so a link
+    back up cannot loop); a name that is not valid UTF-8 is refused, naming its folder."""
+    files, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders.sort()
+        for name in [*names, *subfolders]:
+            _check_name(Path(folder) / name)
+        files += [Path(folder) / name for name in names if os.path.isfile(Path(folder) / name)]
+    return files
+
+
+def _list_url(url: str) -> list[InputPath]:
+    fs, root = _filesystem(url)
+    try:
+        if fs.isfile(root):
+            return [url]
+        if not fs.isdir(root):
+            raise FileNotFoundError(f"input not found: {url}")
+        base = root.rstrip("/")
+        relative = [
+            tuple(parts)
+            for parts in (p[len(base) + 1 :].split("/") for p in fs.find(root))
+            if not any(not part or part[0] in "._" for part in parts)  # "" from a key like a//b
+        ]
+        chosen = hf_layout(url, relative, lambda parts: fs.cat_file(f"{base}/{'/'.join(parts)}"))
+    except FileNotFoundError:
+        raise
+    except OSError as err:  # unreachable host, refused connection, no permission
+        raise OSError(f"{url}: cannot read: {err}") from None
+    if not chosen:
+        raise ValueError(f"folder {url} holds no input files ({_supported()})")
+    return [url.rstrip("/") + "/" + "/".join(parts) for parts in chosen]
+
+
+def _filesystem(url: str) -> tuple[Any, str]:
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(f"{url}: reading URLs needs fsspec: pip install fsspec") from None
+    return fsspec.core.url_to_fs(url)
+
+
+def input_identity(path: InputPath) -> tuple[int, str]:
+    """(bytes, modification stamp) of an input file: part of a run's identity, so that a file
+    rewritten since an interrupted run is not resumed as if it were the same (as far as its
+    filesystem's stamps tell: mtime in ns where the filesystem keeps them, else the ETag or
+    last-modified time of the object).
+
+    A `datasets.Dataset` is identified by (rows, its fingerprint); an `IterableDataset` has no
+    identity to check, so it gets a fresh stamp: a run on one is never resumed."""
+    if isinstance(path, DatasetInput):
+        fingerprint = getattr(path.dataset, "_fingerprint", None)
+        if fingerprint is None:
+            return -1, f"unidentified-{uuid.uuid4().hex}"
+        return len(path.dataset), str(fingerprint)
+    if isinstance(path, str) and is_url(path):
+        fs, inner = _filesystem(path)
+        info = fs.info(inner)
+        if info.get("size") is None:
+            raise ValueError(f"{path}: its filesystem does not report its size; cannot read it")
+        stamps = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified",
+                  "Last-Modified", "updated")  # fmt: skip
+        return int(info["size"]), next((str(info[k]) for k in stamps if info.get(k)), "")
+    stat = Path(path).stat()
+    return stat.st_size, str(stat.st_mtime_ns)
+
+
+class _ZstdRaw(io.RawIOBase):
+    """Decompressed bytes of a .zst file, frame after frame; raises EOFError if the last frame
+    is cut short (zstandard's stream_reader returns a silent short read there)."""
+
+    def __init__(self, file: IO[bytes]):
+        self._file = file
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame: Any = None
+        self._unused = b""
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._out:
+            data = self._unused or self._file.read(_CHUNK)
+            self._unused = b""
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("zstd stream ends inside a frame")
+                return 0
+            if self._frame is None or self._frame.eof:
+                self._frame = self._dctx.decompressobj()
+            self._out = memoryview(self._frame.decompress(data))
+            if self._frame.eof:
+                self._unused = self._frame.unused_data
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+
+@contextlib.contextmanager
+def open_bytes(path: InputPath) -> Iterator[IO[bytes]]:
+    """The file's bytes, decompressed by its suffix (.gz, .zst); only a plain file can seek."""
+    name = source_name(path).lower()
+    with _open_file(path) as file:
+        if name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=file, mode="rb") as stream:
+                yield stream  # type: ignore[misc]
+        elif name.endswith(".zst"):
+            with io.BufferedReader(_ZstdRaw(file), _CHUNK) as stream:
+                yield stream
+        else:
+            yield file
+
+
+@contextlib.contextmanager
+def open_parquet(path: InputPath) -> Iterator[pq.ParquetFile]:
+    if not is_url(path):
+        with pq.ParquetFile(path) as parquet:
+            yield parquet
+        return
+    with _open_file(path) as file, pq.ParquetFile(file) as parquet:
+        yield parquet
+
+
+@contextlib.contextmanager
+def open_arrow(path: InputPath) -> Iterator[Iterator[pa.RecordBatch]]:
+    """The record batches of an Arrow file: the IPC stream format `datasets` writes, or the
+    IPC file format (which opens with `ARROW1`); a local file is memory-mapped."""
+    with contextlib.ExitStack() as stack:
+        if is_url(path):
+            source: Any = stack.enter_context(_open_file(path))
+        else:
+            source = stack.enter_context(pa.memory_map(str(path)))
+        magic = source.read(6)
+        source.seek(0)
+        if magic == b"ARROW1":
+            reader = pa.ipc.open_file(source)
+            yield (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            yield iter(pa.ipc.open_stream(source))
+
+
+def dataset_batches(path: DatasetInput, rows: int) -> Iterator[pa.Table]:
+    """A `datasets.Dataset`/`IterableDataset`, `rows` rows at a time, as Arrow tables: streamed,
+    and whatever format (torch, numpy) the user set on it left aside."""
+    return path.dataset.with_format("arrow").iter(batch_size=rows)
+
+
+@contextlib.contextmanager
+def _open_file(path: InputPath) -> Iterator[IO[bytes]]:
+    if isinstance(path, DatasetInput):
+        raise TypeError(f"{path}: an in-memory dataset has no bytes to open; read its records")
+    if isinstance(path, str) and is_url(path):
+        fs, inner = _filesystem(path)
+        with fs.open(inner, "rb") as file:
+            yield file
+    else:
+        with open(path, "rb") as file:
+            yield file
+
+
+def source_name(path: InputPath) -> str:
+    if isinstance(path, DatasetInput):
+        return path.name
+    text = str(path).split("?", 1)[0] if is_url(path) else str(path)  # https://.../x.jsonl?sig=...
+    return text.rstrip("/").rsplit("/", 1)[-1]
+
+
+def input_suffix(path: InputPath) -> str:
+    """The supported suffix that names the file's format (`.jsonl.gz`, `.parquet`, ...)."""
+    name = source_name(path).lower()
+    for suffix in INPUT_SUFFIXES:
+        if name.endswith(suffix):
+            return suffix
+    raise ValueError(f"{path}: unsupported input file ({_supported()})")
+
+
+def _supported() -> str:
+    return "supported suffixes: " + ", ".join(INPUT_SUFFIXES)
