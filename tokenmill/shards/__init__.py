@@ -2,6 +2,7 @@
 
 format (names, dtypes, limits) -> buffers (records into columns) -> files (durable writes)
 -> writer (shards published whole) -> reader (meta.json, memory maps) -> manifest
-(written last: the commit point) -> verify (sizes, checksums, offsets). Object storage is
+(written last: the commit point) -> verify (sizes, checksums, offsets); schema (which keys
+of an item hold tokens and masks, per training type). Object storage is
 the storage/ room's.
 """
