@@ -159,8 +159,11 @@ def test_token_count_covers_each_train_type():
         token_count({"prompts": torch.arange(2), "responses": [torch.arange(3), torch.arange(1)]})
         == 6
     )
-    with pytest.raises(KeyError, match="pass size_fn"):
+    assert token_count({"completion": torch.arange(4), "label": torch.tensor(True)}) == 4  # KTO
+    with pytest.raises(KeyError, match="matches no training type"):
         token_count({"pixels": torch.arange(3)})
+    with pytest.raises(KeyError, match="SequentialPackingBatcher: .* pass size_fn"):
+        list(SequentialPackingBatcher(8).batches(iter([{"pixels": torch.arange(3)}])))
 
 
 def test_a_remembered_pool_plan_is_best_fit_of_the_pool():

@@ -20,7 +20,7 @@ from tokenmill.dataflow import (
     PoolPackingBatcher,
     SimpleBatcher,
 )
-from tokenmill.dataflow.processors import IdentityProcessor
+from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
 from tokenmill.dataflow.roles import run_roles
 from tokenmill.training import windows
 from tokenmill.training.datasets import SEQDataset, SFTDataset
@@ -196,7 +196,7 @@ def roles_of(loader: DataflowLoader) -> tuple:
     return loader.distributor, loader.processor, loader.batcher, loader.collator
 
 
-class _Doubled:
+class _Doubled(RawItemProcessor):
     """A processor: items read and changed in the reading thread, so no window path."""
 
     def process(self, item: dict) -> dict:

@@ -2,7 +2,9 @@
 
 DataDistributor (distributors.py) -> RawItemProcessor (processors.py) -> SampleBatcher
 (batchers.py) -> BatchCollator (collators.py), in order per worker (roles.py), driven by
-DataflowLoader (loader.py); provenance (the tokenizer a loader's data was made with).
+DataflowLoader (loader.py, its settings one LoaderOptions); provenance (the tokenizer a
+loader's data was made with). The hooks each role may offer are declared on its base class,
+and what the loader may ask of a dataset are the Protocols of contracts.py.
 """
 
 from tokenmill.dataflow.batchers import (
@@ -26,7 +28,7 @@ from tokenmill.dataflow.distributors import (
     MixtureDistributor,
     RankPartitionedDistributor,
 )
-from tokenmill.dataflow.loader import DataflowLoader
+from tokenmill.dataflow.loader import DataflowLoader, LoaderOptions
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor, TruncateProcessor
 
 __all__ = [
@@ -49,4 +51,5 @@ __all__ = [
     "GRPOPaddingCollator",
     "PackedCollator",
     "DataflowLoader",
+    "LoaderOptions",
 ]

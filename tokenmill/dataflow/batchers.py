@@ -9,13 +9,15 @@ pulled go back to the stream, and the first `skip` groups of the next pull are d
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import lru_cache
 from itertools import islice
+from types import MappingProxyType
 from typing import Any
 
+from tokenmill.dataflow.contracts import keeps
 from tokenmill.preprocess.packing import best_fit
-from tokenmill.shards.format import row_tokens
+from tokenmill.shards.schema import token_count
 from tokenmill.training.state import STATE_VERSION, check_state
 
 __all__ = [
@@ -26,27 +28,58 @@ __all__ = [
     "token_count",
 ]
 
-
-def token_count(sample: dict) -> int:
-    """Tokens a sample puts in a group: input_ids; chosen + rejected; prompts + responses."""
-    if "input_ids" in sample:
-        return len(sample["input_ids"])
-    if "chosen" in sample:
-        return len(sample["chosen"]) + len(sample["rejected"])
-    if "prompts" in sample:
-        return len(sample["prompts"]) + row_tokens(sample["responses"])
-    raise KeyError(f"cannot count tokens of a sample with keys {sorted(sample)}; pass size_fn")
+# token_count (tokenmill.shards.schema's, the packing batchers' default size) is exported here
+# too, for the callers of before
 
 
 class SampleBatcher(ABC):
-    """Consumes a stream of samples and yields groups (the selection strategy)."""
+    """Consumes a stream of samples and yields groups (the selection strategy).
+
+    Besides `batches` and its state, a batcher may declare the hooks below; each default
+    means "not offered", and the loader then takes the general path (roles.py)."""
 
     group_size: int | None = None
-    """Samples per group when fixed: the loader then gives each worker whole groups."""
+    """Hook: samples per group when fixed (a positive int). The loader then gives each worker
+    whole groups of consecutive samples and reads only those; None: every worker runs
+    `batches` over the whole stream and collates only its own groups."""
+
+    @property
+    def consecutive_groups(self) -> bool:
+        """Hook: True promises that each group is exactly the next `group_size` samples as they
+        came: the loader then never calls `batches`, and reads a group of windows at once
+        (WindowBatch) where the dataset's items are windows of one length. Default False."""
+        return False
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Hook: True promises that `batches(samples)` is `plan` of each sample with its token
+        count (`tokenmill.shards.schema.token_count`): the loader then plans groups from the
+        dataset's stored lengths (`plan` of indices), and each worker reads only its own
+        groups. Default False."""
+        return False
+
+    @property
+    def restart_every(self) -> int:
+        """Hook: a resume restarts only after a multiple of this many pulled samples (where
+        `pending` in the state ends): the loader keeps the distributor's state at those
+        points only, on the stored-lengths path. Default 1."""
+        return 1
+
+    counters: Mapping[str, int] = MappingProxyType({})
+    """Hook: running totals (groups, tokens, ...) the loader hands to the training side with
+    each batch (`DataflowLoader.counters`). Default: none."""
 
     @abstractmethod
     def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
         """Pull from ``samples``; yield one ``list[dict]`` per batch."""
+
+    def plan(self, sized: Iterator[tuple[Any, int]]) -> Iterator[list[Any]]:
+        """Hook of `counts_tokens`: groups of what comes with each size, samples or indices
+        (the loader, from stored lengths), so that groups are planned without reading a sample."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no plan(sized); a batcher that sets "
+            "counts_tokens=True must define it"
+        )
 
     def sample_size(self, sample: dict) -> int:
         """Per-sample token cost for packing batchers. Non-packing batchers never call this."""
@@ -70,6 +103,11 @@ class SimpleBatcher(SampleBatcher):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.group_size = batch_size
 
+    @property
+    def consecutive_groups(self) -> bool:
+        """True while `batches` is this class's: a subclass that overrides it is called."""
+        return keeps(self, SimpleBatcher, "batches")
+
     def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
         samples = iter(samples)
         while group := list(islice(samples, self.group_size)):
@@ -88,9 +126,7 @@ class _PackingBatcher(SampleBatcher):
     """Shared by the packing batchers: the size function, the budget, the counters."""
 
     name = ""
-    restart_every = 1
-    """A resume restarts only after a multiple of this many pulled samples (its `pending`
-    ends there): the loader keeps the distributor's state at those points only."""
+    counters: dict[str, int]
 
     def __init__(self, budget: int, size_fn: Callable[[dict], int] | None = None) -> None:
         if budget < 1:
@@ -104,7 +140,21 @@ class _PackingBatcher(SampleBatcher):
         return self.size_fn(sample)
 
     def batches(self, samples: Iterator[dict]) -> Iterator[list[dict]]:
-        return self.plan((sample, self.sample_size(sample)) for sample in samples)
+        return self.plan(self._sized(samples))
+
+    def _sized(self, samples: Iterator[dict]) -> Iterator[tuple[dict, int]]:
+        """Each sample with its size; an item of no training type is refused naming this
+        batcher, where the default size_fn cannot count it."""
+        for sample in samples:
+            try:
+                size = self.sample_size(sample)
+            except KeyError as err:
+                if self.size_fn is not token_count:
+                    raise
+                raise KeyError(
+                    f"{self.name}: {err.args[0]}; pass size_fn to count its tokens"
+                ) from err
+            yield sample, size
 
     @abstractmethod
     def plan(self, sized: Iterator[tuple[Any, int]]) -> Iterator[list[Any]]:
@@ -113,8 +163,11 @@ class _PackingBatcher(SampleBatcher):
 
     @property
     def counts_tokens(self) -> bool:
-        """Sizes are token counts (the default size_fn): a dataset's stored lengths give them."""
-        return self.size_fn is token_count and type(self).sample_size is _PackingBatcher.sample_size
+        """Sizes are token counts (the default size_fn) and `batches` plans by them, as this
+        class's `batches` and `sample_size` do: a dataset's stored lengths give the sizes."""
+        return self.size_fn is token_count and keeps(
+            self, _PackingBatcher, "batches", "_sized", "sample_size"
+        )
 
     @property
     def efficiency(self) -> float:
@@ -186,7 +239,7 @@ class PoolPackingBatcher(_PackingBatcher):
         self.pool_size = pool_size
 
     @property
-    def restart_every(self) -> int:  # type: ignore[override]
+    def restart_every(self) -> int:
         return self.pool_size  # a resume restarts at a pool's start
 
     def _setup(self) -> dict[str, Any]:

@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill.dataflow.contracts import keeps
+from tokenmill.training.windows import WindowBatch
+
 __all__ = [
     "BatchCollator",
     "DefaultBatchCollator",
@@ -31,6 +34,14 @@ class BatchCollator(ABC):
 
     @abstractmethod
     def collate(self, samples: list[dict]) -> dict: ...
+
+    def collate_windows(self, arrays: dict[str, torch.Tensor]) -> dict:
+        """Hook: the batch `collate` makes of a group of stored windows (a WindowBatch's arrays,
+        each key [B, W + 1] as stored), which the loader collates on the training side. This
+        default collates the windows' items; a collator that makes the same batch without
+        items overrides it (DefaultBatchCollator, PackedCollator, while their `collate` is
+        their own)."""
+        return self.collate(WindowBatch(arrays).items())
 
     def __call__(self, samples: list[dict]) -> dict:
         return self.collate(samples)
@@ -77,6 +88,13 @@ class DefaultBatchCollator(BatchCollator):
     def collate(self, samples: list[dict]) -> dict:
         _require(samples, list(samples[0]) if samples else [], "DefaultBatchCollator")
         return {key: self._stack(key, [s[key] for s in samples]) for key in samples[0]}
+
+    def collate_windows(self, arrays: dict[str, torch.Tensor]) -> dict:
+        """The windows stacked as stored, cut and widened (`WindowBatch.tensors`), while
+        `collate` (and the `_stack` it calls) is this class's."""
+        if not keeps(self, DefaultBatchCollator, "collate", "_stack"):
+            return super().collate_windows(arrays)
+        return WindowBatch(arrays).tensors()
 
     def _stack(self, key: str, values: list[Any]) -> torch.Tensor:
         if isinstance(values[0], (list, tuple)):
@@ -241,7 +259,11 @@ class PackedCollator(BatchCollator):
     def collate_windows(self, arrays: dict[str, torch.Tensor]) -> dict:
         """What `collate` makes of the items of stored windows (a WindowBatch's arrays: each
         key [B, W + 1] as stored): each key cut and widened in one copy, straight into the
-        packed row, on the training side of a loader."""
+        packed row, on the training side of a loader; while `collate` (and the `_packed` and
+        `_pad` it calls) is this class's: a subclass that overrides one gets its `collate` of
+        the items."""
+        if not keeps(self, PackedCollator, "collate", "_packed", "_pad"):
+            return super().collate_windows(arrays)
         sequence = arrays["sequence"].numpy()
         rows, width = sequence.shape[0], sequence.shape[1] - 1
         wide = {

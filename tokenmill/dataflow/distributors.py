@@ -10,9 +10,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any
 
-from tokenmill.dataflow.batchers import token_count
-from tokenmill.dataflow.provenance import check_one_tokenizer
-from tokenmill.shards.format import trained_count
+from tokenmill.dataflow.contracts import (
+    dataset_tokenizer,
+    has_fixed_windows,
+    has_stored_lengths,
+    keeps,
+    stored_length,
+)
+from tokenmill.dataflow.provenance import check_one_tokenizer, first_tokenizer
+from tokenmill.shards.schema import trained_tokens
 from tokenmill.training.order_ahead import order_read_ahead
 from tokenmill.training.state import (
     STATE_VERSION,
@@ -24,6 +30,7 @@ from tokenmill.training.state import (
     order_state,
     worker_of,
 )
+from tokenmill.training.windows import WindowBatch
 
 __all__ = [
     "DataDistributor",
@@ -35,12 +42,20 @@ __all__ = [
     "worker_share",
     "rank_split",
     "pick_source",
+    "check_sources",
     "trained_tokens",
 ]
 
+# trained_tokens (tokenmill.shards.schema's, the mixture's default size by tokens) is exported
+# here too, for the callers of before
+
 
 class DataDistributor(ABC):
-    """Owns the raw dataset, shards it across DP ranks x workers, shuffles, carries state."""
+    """Owns the raw dataset, shards it across DP ranks x workers, shuffles, carries state.
+
+    Besides `stream` (or `indices` and `fetch`) and its state, a distributor may declare the
+    hooks below; each default means "not offered", and the loader then takes the general
+    path (roles.py)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -70,6 +85,50 @@ class DataDistributor(ABC):
         """Restore resume state. No-op default; resumable distributors override."""
         return None
 
+    def share_reads(self, worker_id: int, num_workers: int, block: int) -> None:
+        """Hook: the loader tells each worker's distributor, before `indices`, which of them
+        it will read: blocks worker_id, worker_id + num_workers, ... of `block` consecutive
+        indices (`worker_share`); block 0: every worker walks every index and reads only its
+        own groups'. A distributor may read ahead just those (MapDistributor has its dataset
+        fetch them ahead). Default: nothing."""
+        return None
+
+    @property
+    def windowed(self) -> bool:
+        """Hook: True promises that `fetch_windows(group)` gives the WindowBatch of the items
+        `fetch` gives of the group (windows of one length): the loader then reads a group at
+        once and hands it over as stored, for the collator's `collate_windows`. Default False."""
+        return False
+
+    def fetch_windows(self, indices: list[Any]) -> WindowBatch:
+        """Hook of `windowed`: items `indices` as one WindowBatch."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no fetch_windows(indices); a distributor that "
+            "is windowed must define it"
+        )
+
+    @property
+    def sized(self) -> bool:
+        """Hook: True promises that `sample_length(index)` is the token count of `fetch(index)`
+        (`tokenmill.shards.schema.token_count`), known without reading it: packing batchers
+        that count tokens then plan from it, and each worker reads only its own groups.
+        Default False."""
+        return False
+
+    def sample_length(self, index: Any) -> int:
+        """Hook of `sized`: the tokens of item `index`, without reading it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} declares no sample_length(index); a distributor that is "
+            "sized must define it"
+        )
+
+    @property
+    def tokenizer_provenance(self) -> tuple[str, str] | None:
+        """Hook: (fingerprint, path) of the tokenizer the data was made with, where it says,
+        so that mixtures refuse sources of different tokenizers (provenance.py). Default
+        None: it does not say."""
+        return None
+
 
 def worker_share(
     indices: Iterable[Any], worker_id: int, num_workers: int, block: int = 1
@@ -83,6 +142,16 @@ def worker_share(
     for q, index in enumerate(indices):
         if worker_of(q, block, num_workers) == worker_id:
             yield index
+
+
+def check_sources(owner: str, sources: Sequence[Any]) -> None:
+    """Every source of a composite distributor is a DataDistributor: refused by name if not."""
+    for i, source in enumerate(sources):
+        if not isinstance(source, DataDistributor):
+            raise TypeError(
+                f"{owner}: source {i} is a {type(source).__name__}, not a DataDistributor; "
+                "wrap a dataset in MapDistributor or an iterable in IterableDistributor"
+            )
 
 
 def _check_coordinates(dp_rank: int, dp_world_size: int) -> None:
@@ -108,8 +177,10 @@ class MapDistributor(_IndexedDistributor):
 
     Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
     count of consumed positions: O(1) to resume, under any world size. Streams `num_epochs`
-    epochs, or indefinitely; `drop_last` as in `RDSampler`. Shards in a bucket are fetched
-    ahead of the order (`training.order_ahead.OrderReadAhead`)."""
+    epochs, or indefinitely; `drop_last` as in `RDSampler`. The dataset may fetch items
+    ahead of the order (`training.order_ahead.OrderReadAhead`, for the indices this worker
+    reads: `share_reads`). Windowed and sized as its dataset is (contracts.py), while `fetch`
+    is this class's."""
 
     def __init__(
         self,
@@ -126,14 +197,14 @@ class MapDistributor(_IndexedDistributor):
         self.drop_last, self.num_epochs = drop_last, num_epochs
         self.fingerprint = data_fingerprint(dataset)
         self.epoch, self.consumed = 0, 0
-        self.read_share: tuple[int, int, int] | None = None  # a loader worker's: see prefetch
+        self.reads: tuple[int, int, int] | None = None  # a loader worker's: see share_reads
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[int]:
         _check_coordinates(dp_rank, dp_world_size)
         n = len(self.dataset)
         if self.drop_last and n < dp_world_size:
             raise ValueError(f"drop_last with {n} items and {dp_world_size} ranks leaves no items")
-        ahead = order_read_ahead(self.dataset, self.seed, self.shuffle, self.read_share)
+        ahead = order_read_ahead(self.dataset, self.seed, self.shuffle, self.reads)
         while self.num_epochs is None or self.epoch < self.num_epochs:
             epoch, start = self.epoch, self.consumed
             end = epoch_end(n, start, dp_world_size, self.drop_last)
@@ -151,22 +222,32 @@ class MapDistributor(_IndexedDistributor):
     def fetch(self, index: int) -> Any:
         return self.dataset[index]
 
+    def share_reads(self, worker_id: int, num_workers: int, block: int) -> None:
+        """The dataset fetches ahead only what this worker reads (`order_read_ahead`)."""
+        self.reads = (worker_id, num_workers, block)
+
     @property
     def windowed(self) -> bool:
-        """The dataset's items are windows of one length: `fetch_windows` reads a group at once."""
-        return bool(getattr(self.dataset, "fixed_windows", False))
+        """The dataset's items are windows of one length (WindowReads) and `fetch` is this
+        class's: `fetch_windows` reads a group at once."""
+        return keeps(self, MapDistributor, "fetch") and has_fixed_windows(self.dataset)
 
     @property
     def sized(self) -> bool:
-        """The dataset tells an item's tokens without reading it: packing plans from that."""
-        return callable(getattr(self.dataset, "sample_length", None))
+        """The dataset tells an item's tokens without reading it (StoredLengths) and `fetch`
+        is this class's: packing plans from that."""
+        return keeps(self, MapDistributor, "fetch") and has_stored_lengths(self.dataset)
 
     def sample_length(self, index: int) -> int:
-        return int(self.dataset.sample_length(index))
+        return stored_length(self.dataset, index)
 
     def fetch_windows(self, indices: list[int]) -> Any:
         """Items `indices` as one WindowBatch (see training.datasets)."""
         return self.dataset.read_windows(indices)
+
+    @property
+    def tokenizer_provenance(self) -> tuple[str, str] | None:
+        return dataset_tokenizer(self.dataset)
 
     def _setup(self) -> dict[str, Any]:
         return order_setup(self)
@@ -194,6 +275,10 @@ class IterableDistributor(_IndexedDistributor):
         self.iterable = iterable
         self.fingerprint = f"len={len(iterable)}" if isinstance(iterable, Sized) else "unsized"
         self.consumed = 0
+
+    @property
+    def tokenizer_provenance(self) -> tuple[str, str] | None:
+        return dataset_tokenizer(self.iterable)
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
         _check_coordinates(dp_rank, dp_world_size)
@@ -247,6 +332,7 @@ class RankPartitionedDistributor(_IndexedDistributor):
     ) -> None:
         if len(sources) != len(ratios):
             raise ValueError(f"{len(sources)} sources but {len(ratios)} ratios")
+        check_sources("RankPartitionedDistributor", sources)
         check_one_tokenizer("RankPartitionedDistributor", sources, allow_mixed_tokenizers)
         if not ratios or any(r <= 0 for r in ratios):
             raise ValueError(f"ratios must be positive, got {list(ratios)}")
@@ -279,6 +365,10 @@ class RankPartitionedDistributor(_IndexedDistributor):
     def fetch(self, index: tuple[int, Any]) -> Any:
         return self.sources[index[0]].fetch(index[1])
 
+    @property
+    def tokenizer_provenance(self) -> tuple[str, str] | None:
+        return first_tokenizer(self.sources)
+
     def state_dict(self) -> dict[str, Any]:
         position = None if self.source is None else self.sources[self.source].state_dict()
         return {
@@ -309,14 +399,6 @@ def pick_source(counts: Sequence[float], shares: Sequence[float], largest: float
     return min(ready, key=lambda i: ((largest - lag[i]) / shares[i], i))
 
 
-def trained_tokens(item: dict) -> int:
-    """Tokens an item trains: its masks' True count, or all its tokens when it has no mask."""
-    masks = [item[k] for k in ("loss_mask", "chosen_mask", "rejected_mask", "masks") if k in item]
-    if masks:
-        return sum(trained_count(m) for m in masks)
-    return token_count(item)
-
-
 class MixtureDistributor(_IndexedDistributor):
     """A deterministic ratio-weighted merge of sources, each read as the same rank.
 
@@ -336,6 +418,7 @@ class MixtureDistributor(_IndexedDistributor):
     ) -> None:
         if len(sources) != len(weights) or not sources:
             raise ValueError(f"{len(sources)} sources but {len(weights)} weights")
+        check_sources("MixtureDistributor", sources)
         check_one_tokenizer("MixtureDistributor", sources, allow_mixed_tokenizers)
         if any(w <= 0 for w in weights):
             raise ValueError(f"weights must be positive, got {list(weights)}")
@@ -380,6 +463,10 @@ class MixtureDistributor(_IndexedDistributor):
 
     def fetch(self, index: tuple) -> Any:
         return index[2] if len(index) == 3 else self.sources[index[0]].fetch(index[1])
+
+    @property
+    def tokenizer_provenance(self) -> tuple[str, str] | None:
+        return first_tokenizer(self.sources)
 
     def state_dict(self) -> dict[str, Any]:
         return {

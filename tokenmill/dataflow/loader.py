@@ -15,7 +15,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -26,11 +26,61 @@ from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
 from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator
 from tokenmill.dataflow.distributors import DataDistributor
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
-from tokenmill.dataflow.roles import collate_windows, run_roles
+from tokenmill.dataflow.roles import check_roles, collate_windows, run_roles
 from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
 from tokenmill.training.windows import WindowBatch, piped
 
-__all__ = ["DataflowLoader"]
+__all__ = ["DataflowLoader", "LoaderOptions"]
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a DataflowLoader runs its roles, as one value: each field means what the loader's
+    keyword of the same name means (see DataflowLoader), with the same default. Checked when
+    made, so a wrong setting is refused where it is written."""
+
+    batch_size: int | None = None
+    num_workers: int = 0
+    prefetch_factor: int = 2
+    dp_rank: int | None = None
+    dp_world_size: int | None = None
+    timeout: float = 300.0
+    pin_memory: bool = False
+    multiprocessing_context: Any = None
+    num_threads: int = 0
+    lookahead: int = 0
+    rank_keyed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 0 or self.num_threads < 0:
+            raise ValueError(
+                "num_workers and num_threads must be >= 0, got "
+                f"{self.num_workers}, {self.num_threads}"
+            )
+        if self.num_workers and self.num_threads:
+            raise ValueError("give num_workers (processes) or num_threads (in process), not both")
+        if self.lookahead < 0:
+            raise ValueError(f"lookahead must be >= 0, got {self.lookahead}")
+
+
+def options_of(keywords: dict[str, Any], options: LoaderOptions | None) -> LoaderOptions:
+    """The loader's options: `options`, or the keywords; a keyword set away from its default
+    next to `options` is refused by name (the two would disagree on who decides)."""
+    if options is None:
+        return LoaderOptions(**keywords)
+    if not isinstance(options, LoaderOptions):
+        raise TypeError(f"DataflowLoader: options is a {type(options).__name__}, not LoaderOptions")
+    both = [
+        f.name
+        for f in fields(LoaderOptions)
+        if keywords[f.name] is not f.default and keywords[f.name] != f.default
+    ]
+    if both:
+        raise ValueError(
+            f"DataflowLoader: {', '.join(both)} given both as a keyword and in options; "
+            "give each setting once"
+        )
+    return options
 
 
 class _Roles(IterableDataset):
@@ -129,7 +179,10 @@ class DataflowLoader:
     memory-mapped data, where a read costs less than handing a batch across processes.
     `lookahead=N`: the consumer takes N batches ahead of the one it trains (Lightning's
     fetcher takes 1), so `state_dict()` leaves the last N handed out for the resume.
-    `rank_keyed=True`: torchtitan's per-rank state layout (see `state_dict`)."""
+    `rank_keyed=True`: torchtitan's per-rank state layout (see `state_dict`).
+    `options=LoaderOptions(...)` gives these settings (every keyword but the roles) as one
+    value instead; a keyword set next to it is refused by name. Each role must be an
+    instance of its base class, whose hooks choose the fast paths (roles.py)."""
 
     def __init__(
         self,
@@ -148,37 +201,52 @@ class DataflowLoader:
         num_threads: int = 0,
         lookahead: int = 0,
         rank_keyed: bool = False,
+        options: LoaderOptions | None = None,
     ) -> None:
-        if batch_size is not None:
+        keywords = {
+            "batch_size": batch_size,
+            "num_workers": num_workers,
+            "prefetch_factor": prefetch_factor,
+            "dp_rank": dp_rank,
+            "dp_world_size": dp_world_size,
+            "timeout": timeout,
+            "pin_memory": pin_memory,
+            "multiprocessing_context": multiprocessing_context,
+            "num_threads": num_threads,
+            "lookahead": lookahead,
+            "rank_keyed": rank_keyed,
+        }
+        self.options = options_of(keywords, options)
+        if self.options.batch_size is not None:
             if batcher is not None or collator is not None:
                 raise ValueError(
                     "batch_size=N stands for SimpleBatcher(N) + DefaultBatchCollator(); "
                     "give it or a batcher and collator, not both"
                 )
-            batcher, collator = SimpleBatcher(batch_size), DefaultBatchCollator()
+            batcher = SimpleBatcher(self.options.batch_size)
+            collator = DefaultBatchCollator()
         if batcher is None:
             raise ValueError("DataflowLoader needs batch_size=N or a batcher")
-        if num_workers < 0 or num_threads < 0:
-            raise ValueError(
-                f"num_workers and num_threads must be >= 0, got {num_workers}, {num_threads}"
-            )
-        if num_workers and num_threads:
-            raise ValueError("give num_workers (processes) or num_threads (in process), not both")
         self.distributor, self.batcher = distributor, batcher
-        self.processor = processor or IdentityProcessor()
-        self.collator = collator or DefaultBatchCollator()
-        self.dp_rank, self.dp_world_size = data_parallel_coordinates(dp_rank, dp_world_size)
-        self.num_workers, self.prefetch_factor, self.timeout = num_workers, prefetch_factor, timeout
-        self.pin_memory, self.multiprocessing_context = pin_memory, multiprocessing_context
-        self.num_threads = num_threads
-        if lookahead < 0:
-            raise ValueError(f"lookahead must be >= 0, got {lookahead}")
-        self.lookahead, self.rank_keyed = lookahead, rank_keyed
+        self.processor = IdentityProcessor() if processor is None else processor
+        self.collator = DefaultBatchCollator() if collator is None else collator
+        check_roles(self.distributor, self.processor, self.batcher, self.collator)
+        self.dp_rank, self.dp_world_size = data_parallel_coordinates(
+            self.options.dp_rank, self.options.dp_world_size
+        )
+        self.num_workers = self.options.num_workers
+        self.prefetch_factor = self.options.prefetch_factor
+        self.timeout = self.options.timeout
+        self.pin_memory = self.options.pin_memory
+        self.multiprocessing_context = self.options.multiprocessing_context
+        self.num_threads = self.options.num_threads
+        self.lookahead = self.options.lookahead
+        self.rank_keyed = self.options.rank_keyed
         self.consumed_batches = 0
         self.counters: dict[str, int] = {}
         self._position: dict[str, Any] | None = None  # None: wherever the roles stand now
         # (position, consumed_batches) before the last `lookahead` batches handed out
-        self._trail: deque[tuple[dict[str, Any], int]] = deque(maxlen=lookahead + 1)
+        self._trail: deque[tuple[dict[str, Any], int]] = deque(maxlen=self.lookahead + 1)
 
     def __iter__(self) -> Iterator[dict]:
         position = self._current_position()

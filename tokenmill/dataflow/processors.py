@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from tokenmill.dataflow.contracts import keeps
+
 __all__ = ["RawItemProcessor", "IdentityProcessor", "TruncateProcessor"]
 
 
@@ -22,9 +24,22 @@ class RawItemProcessor(ABC):
     @abstractmethod
     def process(self, item: Any) -> dict: ...
 
+    @property
+    def changes_items(self) -> bool:
+        """Hook: False promises that `process` returns every item as it is, so the loader may
+        skip it: read a group of windows at once and hand it over as stored (WindowBatch), and
+        plan packing from the dataset's stored lengths (roles.py). Default True: every item
+        goes through `process`."""
+        return True
+
 
 class IdentityProcessor(RawItemProcessor):
     """Passes dataset items (already dicts of tensors) through unchanged."""
+
+    @property
+    def changes_items(self) -> bool:
+        """False while `process` is this class's: a subclass that overrides it is called."""
+        return not keeps(self, IdentityProcessor, "process")
 
     def process(self, item: Any) -> dict:
         if not isinstance(item, dict):

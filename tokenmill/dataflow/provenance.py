@@ -1,26 +1,30 @@
-"""Provenance: the tokenizer each source's data was made with, checked before sources mix."""
+"""Provenance: the tokenizer each source's data was made with, checked before sources mix.
+
+Each source says it by its `tokenizer_provenance` hook (DataDistributor's; a dataset's is the
+TokenizerProvenance of contracts.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+
+from tokenmill.dataflow.contracts import TokenizerProvenance, checked_tokenizer
 
 
-def source_tokenizer(source: Any) -> tuple[str, str] | None:
-    """(fingerprint, path) of the tokenizer a source's data was made with, where it says."""
-    data = getattr(source, "dataset", None) or getattr(source, "iterable", None)
-    found = getattr(data, "tokenizer_provenance", None)
-    for inner in getattr(source, "sources", ()) if found is None else ():
-        found = found or source_tokenizer(inner)
-    return found
+def first_tokenizer(sources: Sequence[TokenizerProvenance]) -> tuple[str, str] | None:
+    """(fingerprint, path) of the first tokenizer a source says its data was made with."""
+    for source in sources:
+        found = checked_tokenizer(source, source.tokenizer_provenance)
+        if found is not None:
+            return found
+    return None
 
 
-def check_one_tokenizer(owner: str, sources: Sequence[Any], allow: bool) -> None:
+def check_one_tokenizer(owner: str, sources: Sequence[TokenizerProvenance], allow: bool) -> None:
     """Sources tokenized by different tokenizers make a stream whose ids mean different
     things: refused, naming both, unless `allow` says it is on purpose."""
     seen: dict[str, tuple[int, str]] = {}
     for i, source in enumerate(sources):
-        found = source_tokenizer(source)
+        found = checked_tokenizer(source, source.tokenizer_provenance)
         if found is not None:
             seen.setdefault(found[0], (i, found[1]))
     if len(seen) > 1 and not allow:

@@ -6,19 +6,104 @@ a fixed group size a worker reads only its own groups' items, and a group of win
 length is read at once (`WindowBatch`). A packing group depends on the sizes of every sample
 before it, so each worker plans every group: from the dataset's stored lengths where it has
 them (reading only its own groups' items), else by reading the whole stream and collating only
-its own groups (see benchmarks/bench_loader.py)."""
+its own groups (see benchmarks/bench_loader.py).
+
+Which of these paths a worker takes (`read_path`) follows only what the roles declare: the
+hooks of their base classes (DataDistributor.windowed and .sized, RawItemProcessor.changes_items,
+SampleBatcher.group_size, .consecutive_groups and .counts_tokens), never their exact type;
+`check_roles` refuses by name a role in the wrong slot or a hook of the wrong kind."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from itertools import islice
 from typing import Any
 
-from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
-from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator, PackedCollator
+from tokenmill.dataflow.batchers import SampleBatcher
+from tokenmill.dataflow.collators import BatchCollator
+from tokenmill.dataflow.contracts import keeps
 from tokenmill.dataflow.distributors import DataDistributor, worker_share
-from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
+from tokenmill.dataflow.processors import RawItemProcessor
 from tokenmill.training.windows import WindowBatch
+
+SLOTS = {
+    "distributor": DataDistributor,
+    "processor": RawItemProcessor,
+    "batcher": SampleBatcher,
+    "collator": BatchCollator,
+}
+"""Each role's slot and the base class whose hooks the loader asks about."""
+
+READ_PATHS = ("window groups", "planned windows", "planned items", "items")
+"""How a worker reads, fastest first (`read_path`)."""
+
+
+def check_roles(distributor: Any, processor: Any, batcher: Any, collator: Any) -> None:
+    """Each role is an instance of its slot's base class and its hooks are of their kinds:
+    refused by name otherwise (the role, the slot, the hook), when a DataflowLoader is made."""
+    owner = "DataflowLoader"
+    given = {
+        "distributor": distributor,
+        "processor": processor,
+        "batcher": batcher,
+        "collator": collator,
+    }
+    for slot, role in given.items():
+        if isinstance(role, SLOTS[slot]):
+            continue
+        other = [name for name, base in SLOTS.items() if isinstance(role, base)]
+        if other:
+            raise TypeError(
+                f"{owner}: the {slot} is a {type(role).__name__}, a {SLOTS[other[0]].__name__}: "
+                f"pass it as the {other[0]}, and a {SLOTS[slot].__name__} as the {slot}"
+            )
+        raise TypeError(
+            f"{owner}: the {slot} is a {type(role).__name__}, not a {SLOTS[slot].__name__}; "
+            f"subclass {SLOTS[slot].__name__}: it declares the hooks the loader asks a {slot}"
+        )
+    name = type(batcher).__name__
+    size = batcher.group_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise TypeError(
+            f"{owner}: {name}.group_size is {size!r}; it must be None (groups of any size) "
+            "or a positive int (samples per group)"
+        )
+    every = batcher.restart_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise TypeError(f"{owner}: {name}.restart_every is {every!r}; it must be a positive int")
+    if batcher.consecutive_groups and size is None:
+        raise TypeError(
+            f"{owner}: {name}.consecutive_groups is True but its group_size is None; "
+            "consecutive groups need a group size"
+        )
+    if batcher.counts_tokens and keeps(batcher, SampleBatcher, "plan"):
+        raise TypeError(f"{owner}: {name}.counts_tokens is True but it defines no plan(sized)")
+    offered = [
+        (distributor.windowed, "windowed", "fetch_windows"),
+        (distributor.sized, "sized", "sample_length"),
+    ]
+    for declared, hook, method in offered:
+        if declared and keeps(distributor, DataDistributor, method):
+            raise TypeError(
+                f"{owner}: {type(distributor).__name__}.{hook} is True but it defines no {method}"
+            )
+
+
+def read_path(
+    distributor: DataDistributor, processor: RawItemProcessor, batcher: SampleBatcher
+) -> str:
+    """How each worker reads its groups, by what the roles declare (READ_PATHS):
+
+    - "window groups": fixed consecutive groups of windows, each read at once (WindowBatch);
+    - "planned windows": packing planned from stored lengths, each group read at once;
+    - "planned items": packing planned from stored lengths, each group's items fetched;
+    - "items": every item fetched and processed, and grouped by the batcher's `batches`."""
+    windows = reads_windows(distributor, processor)
+    if batcher.group_size:
+        return "window groups" if windows and batcher.consecutive_groups else "items"
+    if plans_from_lengths(distributor, processor, batcher):
+        return "planned windows" if windows else "planned items"
+    return "items"
 
 
 def run_roles(
@@ -30,7 +115,7 @@ def run_roles(
     dp_world_size: int,
     worker_id: int = 0,
     num_workers: int = 1,
-) -> Iterator[tuple[dict, dict, dict]]:
+) -> Iterator[tuple[Any, dict, dict]]:
     """Yield (batch, position, counters) for this worker's groups of the rank's sequence.
 
     With a fixed group size the worker reads only its own groups' indices; otherwise (packing)
@@ -39,17 +124,15 @@ def run_roles(
     for the training side to collate. `position` is the distributor state before the batcher's
     pending samples plus the batcher state: loading both continues right after this batch."""
     block = batcher.group_size
-    if hasattr(distributor, "read_share"):  # a worker fetches ahead what it reads (prefetch.py)
-        distributor.read_share = (worker_id, num_workers, block or 0)
+    distributor.share_reads(worker_id, num_workers, block or 0)  # it may read ahead just those
+    path = read_path(distributor, processor, batcher)
     indices = distributor.indices(dp_rank, dp_world_size)
     if block:
         indices = worker_share(indices, worker_id, num_workers, block)
-    windows = reads_windows(distributor, processor)
-    if block and windows and type(batcher) is SimpleBatcher:
-        # groups of windows: one read per group, handed over as int32 (WindowBatch)
+    if path == "window groups":  # one read per group, handed over as int32 (WindowBatch)
         while group := list(islice(indices, block)):
             position = {"distributor": distributor.state_dict(), "batcher": batcher.state_dict()}
-            yield distributor.fetch_windows(group), position, {}  # type: ignore[attr-defined]
+            yield window_batch(distributor, group), position, {}
         return
     positions = {0: distributor.state_dict()}  # packing: distributor state after each sample
     pulled = 0
@@ -65,17 +148,17 @@ def run_roles(
 
     def sized() -> Iterator[tuple[Any, int]]:
         nonlocal pulled
-        every = getattr(batcher, "restart_every", 1)  # states kept where a resume can restart
+        every = batcher.restart_every  # states kept where a resume can restart
         for index in indices:
-            size = distributor.sample_length(index)  # type: ignore[attr-defined]
+            size = distributor.sample_length(index)
             pulled += 1
             if pulled % every == 0:
                 positions[pulled] = distributor.state_dict()
             yield index, size
 
     # packing on stored lengths: every worker plans every group, and reads only its own
-    planned = not block and plans_from_lengths(distributor, processor, batcher)
-    groups = batcher.plan(sized()) if planned else batcher.batches(samples())  # type: ignore[attr-defined]
+    planned = path.startswith("planned")
+    groups = batcher.plan(sized()) if planned else batcher.batches(samples())
     for index, group in enumerate(groups):
         batcher_state = batcher.state_dict()
         restart = pulled - batcher_state.get("pending", 0)
@@ -85,9 +168,9 @@ def run_roles(
             positions = {k: v for k, v in positions.items() if k >= restart}
         position = {"distributor": positions[restart], "batcher": batcher_state}
         if block or index % num_workers == worker_id:
-            counters = dict(getattr(batcher, "counters", {}))
-            if planned and windows:
-                yield distributor.fetch_windows(group), position, counters  # type: ignore[attr-defined]
+            counters = batcher_counters(batcher)
+            if path == "planned windows":
+                yield window_batch(distributor, group), position, counters
                 continue
             if planned:
                 group = [distributor.fetch(i) for i in group]
@@ -99,23 +182,43 @@ def plans_from_lengths(
 ) -> bool:
     """A packing batcher can plan its groups from the dataset's stored lengths: they are the
     sizes it would measure (token counts of unprocessed items)."""
-    return (
-        getattr(distributor, "sized", False)
-        and type(processor) is IdentityProcessor
-        and getattr(batcher, "counts_tokens", False)
-    )
+    return distributor.sized and not processor.changes_items and batcher.counts_tokens
 
 
 def reads_windows(distributor: DataDistributor, processor: RawItemProcessor) -> bool:
     """A group can be read at once and crosses as stored (WindowBatch), to be collated on the
     training side: the items are windows of one length and nothing processes them."""
-    return getattr(distributor, "windowed", False) and type(processor) is IdentityProcessor
+    return distributor.windowed and not processor.changes_items
+
+
+def window_batch(distributor: DataDistributor, group: list[Any]) -> WindowBatch:
+    """`fetch_windows` of a group, refused by name unless a WindowBatch."""
+    batch = distributor.fetch_windows(group)
+    if not isinstance(batch, WindowBatch):
+        raise TypeError(
+            f"{type(distributor).__name__}.fetch_windows returned {type(batch).__name__}; "
+            "a windowed distributor promises a WindowBatch"
+        )
+    return batch
+
+
+def batcher_counters(batcher: SampleBatcher) -> dict[str, int]:
+    """A copy of the batcher's `counters`, refused by name unless a mapping."""
+    counters = batcher.counters
+    if not isinstance(counters, Mapping):
+        raise TypeError(
+            f"{type(batcher).__name__}.counters is a {type(counters).__name__}; it must be a "
+            "mapping of names to counts"
+        )
+    return dict(counters)
 
 
 def collate_windows(batch: WindowBatch, collator: BatchCollator) -> dict:
-    """The batch `collator` makes of a WindowBatch's items; the default and packed ones without items."""
-    if type(collator) is DefaultBatchCollator:
-        return batch.tensors()
-    if type(collator) is PackedCollator:
-        return collator.collate_windows(batch.arrays)
-    return collator.collate(batch.items())
+    """The batch `collator` makes of a WindowBatch's items (its `collate_windows` hook)."""
+    collated = collator.collate_windows(batch.arrays)
+    if not isinstance(collated, dict):
+        raise TypeError(
+            f"{type(collator).__name__}.collate_windows returned {type(collated).__name__}; "
+            "it must return the batch dict"
+        )
+    return collated
