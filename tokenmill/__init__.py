@@ -6,9 +6,61 @@ The public names resolve lazily, so preprocessing workers never import torch.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# The real types for type checkers (mypy, pyright): the same names from the same modules
+# as _EXPORTS below (tests/test_public_api.py holds the two equal). At run time the
+# block is skipped and __getattr__ imports each name on first use.
+if TYPE_CHECKING:
+    # isort: off
+    from tokenmill.preprocess.config import PipelineConfig as PipelineConfig
+    from tokenmill.preprocess.presets import default_config as default_config
+    from tokenmill.preprocess.run.pipeline import Pipeline as Pipeline
+    from tokenmill.preprocess.run.runlog import Summary as Summary
+    from tokenmill.preprocess.inputs.records import RecordError as RecordError
+    from tokenmill.preprocess.chat.tokenizer import load_tokenizer as load_tokenizer
+    from tokenmill.preprocess.chat.spans import render_conversation as render_conversation
+    from tokenmill.training.factory import (
+        detect_format as detect_format,
+        StoreFactory as StoreFactory,
+    )
+    from tokenmill.training.store import Store as Store
+    from tokenmill.training.mmap_store import MmapStore as MmapStore
+    from tokenmill.training.jsonl_store import JsonlStore as JsonlStore
+    from tokenmill.shards.verify import verify_dataset as verify_dataset
+    from tokenmill.training.dataset_factory import DatasetFactory as DatasetFactory
+    from tokenmill.training.datasets import (
+        SEQDataset as SEQDataset,
+        SFTDataset as SFTDataset,
+    )
+    from tokenmill.training.record_datasets import (
+        DPODataset as DPODataset,
+        GRPODataset as GRPODataset,
+        KTODataset as KTODataset,
+    )
+    from tokenmill.training.sampler import RDSampler as RDSampler
+    from tokenmill.dataflow import (
+        DataDistributor as DataDistributor,
+        RawItemProcessor as RawItemProcessor,
+        SampleBatcher as SampleBatcher,
+        BatchCollator as BatchCollator,
+        IterableDistributor as IterableDistributor,
+        MapDistributor as MapDistributor,
+        RankPartitionedDistributor as RankPartitionedDistributor,
+        MixtureDistributor as MixtureDistributor,
+        SimpleBatcher as SimpleBatcher,
+        PoolPackingBatcher as PoolPackingBatcher,
+        SequentialPackingBatcher as SequentialPackingBatcher,
+        DefaultBatchCollator as DefaultBatchCollator,
+        SFTPaddingCollator as SFTPaddingCollator,
+        DPOPaddingCollator as DPOPaddingCollator,
+        GRPOPaddingCollator as GRPOPaddingCollator,
+        PackedCollator as PackedCollator,
+        DataflowLoader as DataflowLoader,
+    )
+    # isort: on
 
 _EXPORTS = {
     "PipelineConfig": "tokenmill.preprocess.config",
