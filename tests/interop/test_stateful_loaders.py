@@ -55,6 +55,7 @@ class Loop:
         self.loader.load_state_dict(state["loader"])
 
 
+@pytest.mark.slow  # DataLoader worker processes, twelve loaders
 @pytest.mark.parametrize("advance", [False, True], ids=["no-advance", "advance"])
 @pytest.mark.parametrize("workers", [0, 1, 2])
 def test_rdsampler_is_exact_once_under_torchdata_stateful_dataloader(workers, advance):

@@ -52,8 +52,12 @@ class Crash:
             for attr, value in list(vars(module).items()):
                 if callable(value) and value in originals:
                     setattr(module, attr, self.wrap(value))
-        for owner, method in ((Journal, "append"), (Journal, "remove"), (StagedShard, "finish"),
-                              (StagedPart, "finish")):  # fmt: skip
+        for owner, method in (
+            (Journal, "append"),
+            (Journal, "remove"),
+            (StagedShard, "finish"),
+            (StagedPart, "finish"),
+        ):
             setattr(owner, method, self.wrap(getattr(owner, method)))
 
 

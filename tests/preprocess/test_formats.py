@@ -80,19 +80,40 @@ def openai_record(family: str) -> dict:
     return {
         "messages": [
             {"role": "system", "content": "You answer with tools."},
-            {"role": "user", "content": [{"type": "text", "text": "Weather in Paris "}, {"type": "text", "text": "and Rome?"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Weather in Paris "},
+                    {"type": "text", "text": "and Rome?"},
+                ],
+            },
             # DeepSeek-V3's template reads a tool call's content, so there it is "" (not null)
-            {"role": "assistant", "content": "" if family == "deepseek-v3" else None, "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": args}},
-                {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
-            ]},
+            {
+                "role": "assistant",
+                "content": "" if family == "deepseek-v3" else None,
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": args}},
+                    {
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+                    },
+                ],
+            },
             {"role": "tool", "content": "22 C, sunny", "name": "get_weather"},
             {"role": "tool", "content": "25 C, clear", "name": "get_weather"},
             {"role": "assistant", "content": "Paris: 22 C and sunny. Rome: 25 C and clear."},
         ],
-        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
-    }  # fmt: skip
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Weather now",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ],
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -164,13 +185,28 @@ def test_template_keyword_arguments_reach_the_template(oracles):
     [
         ({"messages": [{"from": "robot", "value": "x"}]}, "messages[0].from: expected one of"),
         ({"messages": [{"from": "human"}]}, "messages[0].value: missing field"),
-        ({"messages": [{"role": "assistant", "content": None, "tool_calls": "f()"}]}, "messages[0].tool_calls: expected a list"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]: expected a text part"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": "{not json"}, "tools: not valid JSON"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [1]}, "tools: expected a list of tool schemas"),
-        ({"messages": [{"from": "function_call", "value": "[]"}]}, "messages[0].value: expected a function call"),
+        (
+            {"messages": [{"role": "assistant", "content": None, "tool_calls": "f()"}]},
+            "messages[0].tool_calls: expected a list",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0]: expected a text part",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": "{not json"},
+            "tools: not valid JSON",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [1]},
+            "tools: expected a list of tool schemas",
+        ),
+        (
+            {"messages": [{"from": "function_call", "value": "[]"}]},
+            "messages[0].value: expected a function call",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_bad_record_in_any_format_names_file_line_and_field(data, where):
     masker = RecordMasker(chat_config(), load_tokenizer(TOKENIZERS / "qwen2.5"))
     with pytest.raises(RecordError, match="^" + re.escape(f"in.jsonl:7: {where}")):
@@ -207,8 +243,10 @@ def test_an_implicit_conversational_prompt_trains_only_the_final_reply(oracles):
         {"role": "assistant", "content": "Hello! How can I help?"},
         {"role": "user", "content": "Name a prime."},
     ]
-    record = {"chosen": shared + [{"role": "assistant", "content": "7"}],
-              "rejected": shared + [{"role": "assistant", "content": "8"}]}  # fmt: skip
+    record = {
+        "chosen": shared + [{"role": "assistant", "content": "7"}],
+        "rejected": shared + [{"role": "assistant", "content": "8"}],
+    }
     out = RecordMasker(default_config("dpo"), bundle).process(record)
     assert out["chosen"].tolist() == oracle_ids(oracle, record["chosen"])
     assert trained_runs(bundle, out["chosen"], out["chosen_mask"]) == ["7<|im_end|>\n"]
@@ -237,8 +275,11 @@ def test_the_lazy_dpo_route_keeps_the_explicit_prompt(tmp_path, oracles):
     from tokenmill.training.dataset_factory import DatasetFactory
 
     prompt = [{"role": "user", "content": "Name a prime number."}]
-    record = {"prompt": prompt, "chosen": [{"role": "assistant", "content": "7"}],
-              "rejected": [{"role": "assistant", "content": "8"}]}  # fmt: skip
+    record = {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": "7"}],
+        "rejected": [{"role": "assistant", "content": "8"}],
+    }
     (tmp_path / "pairs.jsonl").write_text(json.dumps(record) + "\n")
     ds = DatasetFactory.load(
         "dpo", tmp_path / "pairs.jsonl", window_size=2048, tokenizer_path=TOKENIZERS / "qwen2.5"
@@ -346,8 +387,10 @@ def test_a_truncated_preference_pair_keeps_one_prompt_for_both_replies():
         {"role": "assistant", "content": words(5)},
         {"role": "user", "content": "question " + words(8)},
     ]
-    record = {"chosen": prompt + [{"role": "assistant", "content": words(30)}],
-              "rejected": prompt + [{"role": "assistant", "content": "no"}]}  # fmt: skip
+    record = {
+        "chosen": prompt + [{"role": "assistant", "content": words(30)}],
+        "rejected": prompt + [{"role": "assistant", "content": "no"}],
+    }
     out, tally = masker.process_counted(Record("pairs.jsonl", 1, record))
     prompts = []
     for side in ("chosen", "rejected"):
@@ -369,9 +412,14 @@ def test_qwen3_reasoning_beside_tool_calls_keeps_results_masked(ending, oracles)
     call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.", "tool_calls": [call]},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "I should call the tool.",
+            "tool_calls": [call],
+        },
         {"role": "tool", "content": "22 C"},
-    ]  # fmt: skip
+    ]
     if ending != "tool":
         messages.append({"role": "assistant", "content": "22 C.", "reasoning_content": "done"})
     if ending == "user":

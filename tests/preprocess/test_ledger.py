@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import DATA, QWEN, TOKENIZERS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.document.layout import OutputLayout
 from tokenmill.preprocess.document.masking import RecordMasker
 from tokenmill.preprocess.engines.chunks import Chunk, process_chunk
 from tokenmill.preprocess.inputs.records import Record, RecordError
@@ -32,9 +34,14 @@ def chat(roles: list[str]) -> st.SearchStrategy[list[dict]]:
 
 
 conversation = st.sampled_from(
-    [["user", "assistant"], ["system", "user", "assistant"], ["user", "assistant"] * 3,
-     ["system", "user", "assistant", "user", "assistant", "user"], ["user"]]
-).flatmap(chat)  # fmt: skip
+    [
+        ["user", "assistant"],
+        ["system", "user", "assistant"],
+        ["user", "assistant"] * 3,
+        ["system", "user", "assistant", "user", "assistant", "user"],
+        ["user"],
+    ]
+).flatmap(chat)
 malformed = st.sampled_from([{}, {"text": 5}, {"messages": "hi"}, {"prompt": None}])
 RECORDS = {
     "seq": st.builds(lambda t: {"text": t}, text),
@@ -86,10 +93,10 @@ def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) ->
     data["preprocessing"].update(
         truncation_mode="none", min_chars=0, max_chars=10**9, packing_strategy="none"
     )
-    data["mask"], data["mask_default"] = {"system": "train", "user": "train"}, "train"
+    data["mask"] = {"system": "train", "user": "train"}
+    data["mask_default"] = "train"
     whole = RecordMasker(PipelineConfig.from_dict(data), BUNDLES[family])
-    fields = [s.field for s in config.input.sections]
-    fields += [s.field for src in (config.input.sources or {}).values() for s in src.sections]
+    fields = [s.field for s in config.all_sections()]
     total = 0
     for record in records:
         if raw_chars(record, fields) > config.preprocessing.max_chars:
@@ -101,7 +108,7 @@ def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) ->
             continue
         except ValueError:
             continue
-        for key in whole.token_keys():
+        for key in whole.layout.token_keys():
             value = out[key]
             total += sum(len(v) for v in value) if isinstance(value, list) else len(value)
     return total
@@ -122,7 +129,7 @@ def test_every_token_read_is_written_or_dropped_by_reason(run):
     assert total.records_read == len(records) and total.records_written == result.records_written
     assert total.tokens_read == tokens_rendered(config, family, records)
     assert total.tokens_written == result.tokens
-    keys = masker.token_keys()  # the rows hold exactly the written tokens
+    keys = masker.layout.token_keys()  # the rows hold exactly the written tokens
     assert total.tokens_written == sum(
         row_tokens(row[k]) for _, row in result.rows for k in keys if k in row
     )
@@ -165,3 +172,38 @@ def test_a_record_too_long_is_dropped_before_it_is_tokenized():
     ledger = result.ledgers[""]
     assert ledger.dropped == {"too_long": {"records": 1, "tokens": 0}} and ledger.tokens_read == 0
     assert "5000000 characters, more than max_chars=1000000" in str(result.errors[0])
+
+
+ROW_SCHEMAS = {  # train type -> (token keys with their masks, context, values)
+    "seq": ({"sequence": None}, (), ()),
+    "sft": ({"sequence": "loss_mask"}, (), ()),
+    "instruction": ({"sequence": "loss_mask"}, (), ()),
+    "dpo": ({"chosen": "chosen_mask", "rejected": "rejected_mask"}, (), ()),
+    "kto": ({"completion": "completion_mask"}, (), ("label",)),
+    "grpo": ({"responses": "masks"}, ("prompts",), ("rewards",)),
+}
+
+
+@pytest.mark.parametrize("train_type", sorted(ROW_SCHEMAS))
+def test_a_runs_rows_are_counted_by_the_item_schemas_rule(train_type):
+    """The rows a run writes are read by an ItemSchema made from the config's layout: the
+    keys each type's item would name (but `sequence`), the ledger's tokens and the summary's
+    trained tokens both counted by it."""
+    tokens, context, values = ROW_SCHEMAS[train_type]
+    schema = OutputLayout(default_config(train_type)).row_schema()
+    assert (schema.tokens, schema.context, schema.values) == (tokens, context, values)
+    assert schema.grouped == (train_type == "grpo")
+
+
+def test_beside_a_masked_key_an_unmasked_one_trains_nothing_in_the_counts():
+    """A row's trained tokens are its masks' True values once any key has a mask (what run
+    summaries have always counted): a trained text source with no mask is then context."""
+    chat = {"field": "chosen", "template": True, "action": "$role"}
+    text = {"field": "rejected", "action": "train"}
+    config = PipelineConfig.from_dict(
+        {"input": {"sources": {"chosen": {"sections": [chat]}, "rejected": {"sections": [text]}}}}
+    )
+    schema = OutputLayout(config).row_schema()
+    assert schema.tokens == {"chosen": "chosen_mask"} and schema.context == ("rejected",)
+    row = {"chosen": [1, 2, 3], "chosen_mask": [False, True, True], "rejected": [4, 5]}
+    assert (schema.token_count(row), schema.trained_tokens(row)) == (5, 2)

@@ -60,9 +60,13 @@ def _oracle(oracle, messages, tools, template):
     as "", which TRL's DeepSeek-V3 template reads)."""
     messages = [{**m, "content": m["content"] or ""} for m in messages]
     out = oracle.apply_chat_template(
-        messages, tools=tools, chat_template=template, tokenize=True, return_dict=True,
+        messages,
+        tools=tools,
+        chat_template=template,
+        tokenize=True,
+        return_dict=True,
         return_assistant_tokens_mask=True,
-    )  # fmt: skip
+    )
     return list(out["input_ids"]), np.asarray(out["assistant_masks"], dtype=bool)
 
 
@@ -70,6 +74,7 @@ def _assistant_mask(messages: list[dict]) -> list[bool]:
     return [m["role"] == "assistant" for m in messages]
 
 
+@pytest.mark.slow  # all 300 glaive records against transformers
 def test_a_template_that_renders_by_content_is_exact_on_every_glaive_record(oracles):
     """Qwen3.5's style (last query found by its text, reasoning blocks after it, tool results
     folded): ids and masks of all 300 tool chats equal transformers' rendering and the
@@ -92,9 +97,14 @@ TRL_EXTRA = {
     "qwen3": set(),
     "deepseek-v3": {"<｜Assistant｜>", "<｜tool▁outputs▁end｜>"},
 }
-TRL_TEMPLATE = {"qwen2.5": "qwen2_5_training", "qwen3": "qwen3_training", "deepseek-v3": "deepseekv3_training"}  # fmt: skip
+TRL_TEMPLATE = {
+    "qwen2.5": "qwen2_5_training",
+    "qwen3": "qwen3_training",
+    "deepseek-v3": "deepseekv3_training",
+}
 
 
+@pytest.mark.slow  # 300 glaive records x 3 families against TRL
 @pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "deepseek-v3"])
 def test_glaive_masks_follow_trls_training_templates_on_every_family(family, oracles):
     """The default rule against TRL's own `{% generation %}` masks, record by record: equal
@@ -129,29 +139,34 @@ def test_glaive_masks_follow_trls_training_templates_on_every_family(family, ora
 def _conversations():
     """Chats with tool calls, tool results, reasoning, empty and null contents; each role's
     words come from its own pool, so a trained token's owner can be read off its text."""
-    words = {role: st.sampled_from([f"{role[:2]}{i}" for i in range(5)]) for role in
-             ("system", "user", "assistant", "tool", "think")}  # fmt: skip
+    words = {
+        role: st.sampled_from([f"{role[:2]}{i}" for i in range(5)])
+        for role in ("system", "user", "assistant", "tool", "think")
+    }
 
     def text(role, empty=True):
         return st.lists(words[role], min_size=0 if empty else 1, max_size=4).map(" ".join)
 
     call = st.builds(
-        lambda name, value: {"type": "function",
-                             "function": {"name": f"f{name}", "arguments": {"x": value}}},
-        st.integers(0, 3), text("assistant", empty=False),
-    )  # fmt: skip
+        lambda name, value: {
+            "type": "function",
+            "function": {"name": f"f{name}", "arguments": {"x": value}},
+        },
+        st.integers(0, 3),
+        text("assistant", empty=False),
+    )
     assistant = st.one_of(
         st.builds(lambda c: {"role": "assistant", "content": c}, text("assistant")),
         st.builds(
             lambda c, r: {"role": "assistant", "content": c, "reasoning_content": r},
             text("assistant", empty=False),
             text("think", empty=False),
-        ),  # fmt: skip
+        ),
         st.builds(
             lambda c, calls: {"role": "assistant", "content": c, "tool_calls": calls},
             st.one_of(st.none(), text("assistant")),
             st.lists(call, min_size=1, max_size=2),
-        ),  # fmt: skip
+        ),
     )
 
     @st.composite
@@ -167,7 +182,9 @@ def _conversations():
                 for _ in reply["tool_calls"]:
                     messages.append({"role": "tool", "content": draw(text("tool", empty=False))})
                 if draw(st.booleans()):
-                    messages.append({"role": "assistant", "content": draw(text("assistant", empty=False))})  # fmt: skip
+                    messages.append(
+                        {"role": "assistant", "content": draw(text("assistant", empty=False))}
+                    )
         return messages
 
     return chat()
@@ -186,9 +203,14 @@ PROPERTY_TEMPLATES = {
 REFUSALS = {"mask_unproven", "content_dropped", "template_error"}
 
 
+@pytest.mark.slow  # 60 generated chats x 7 templates
 @pytest.mark.parametrize("name", list(PROPERTY_TEMPLATES))
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(messages=_conversations())
 def test_no_trained_token_lies_outside_an_assistant_message(name, messages):
     """Every generated chat is either refused by name (mask_unproven, content_dropped, or the
@@ -224,7 +246,9 @@ def test_a_broken_span_finder_is_caught_by_the_proof(monkeypatch, delta):
         messages, tools = _glaive(n)
         truth.append(render_conversation(bundle, messages, _assistant_mask(messages), tools=tools))
     found = spans._probed_starts
-    monkeypatch.setattr(spans, "_probed_starts", lambda *a: [s + delta if s else s for s in found(*a)])  # fmt: skip
+    monkeypatch.setattr(
+        spans, "_probed_starts", lambda *a: [s + delta if s else s for s in found(*a)]
+    )
     monkeypatch.setattr(spans, "anchored_starts", lambda *a: None)
     refused = 0
     for n in range(60):
@@ -241,7 +265,11 @@ def test_a_broken_span_finder_is_caught_by_the_proof(monkeypatch, delta):
 def _chat_config(tmp_path: Path | None = None, **changes) -> PipelineConfig:
     data = default_config("sft").model_dump(mode="json")
     data["preprocessing"].update(max_seq_len=100_000, min_chars=0)
-    section = {k: changes.pop(k) for k in list(changes) if k in data["input"]["sections"][0] or k in ("train_turns", "message_train_field")}  # fmt: skip
+    section = {
+        k: changes.pop(k)
+        for k in list(changes)
+        if k in data["input"]["sections"][0] or k in ("train_turns", "message_train_field")
+    }
     data["input"]["sections"][0].update(section)
     data.update(changes)
     return PipelineConfig.from_dict(data, base=tmp_path)
@@ -263,7 +291,10 @@ def test_dropped_reasoning_is_counted_by_name_or_stops_the_run(tmp_path):
     lines = [{"messages": REASONING_CHAT[:2]}, {"messages": REASONING_CHAT}]
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     qwen3 = TOKENIZERS / "qwen3"
-    with pytest.raises(RecordError, match=r"chats\.jsonl:2: messages: messages\[1\].*its reasoning does not appear.*chat template: the tokenizer's own, qwen3"):  # fmt: skip
+    with pytest.raises(
+        RecordError,
+        match=r"chats\.jsonl:2: messages: messages\[1\].*its reasoning does not appear.*chat template: the tokenizer's own, qwen3",
+    ):
         Pipeline(_chat_config(), [src], tmp_path / "a", qwen3, workers=1, progress=False).run()
     summary = Pipeline(
         _chat_config(), [src], tmp_path / "b", qwen3, workers=1, on_error="skip", progress=False
@@ -272,9 +303,13 @@ def test_dropped_reasoning_is_counted_by_name_or_stops_the_run(tmp_path):
     rejects = [json.loads(x) for x in (tmp_path / "b" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["line"], r["reason"]) for r in rejects] == [(2, "content_dropped")]
     kept = Pipeline(
-        _chat_config(chat_template="qwen3-keep-reasoning"), [src], tmp_path / "c", qwen3,
-        workers=1, progress=False,
-    ).run()  # fmt: skip
+        _chat_config(chat_template="qwen3-keep-reasoning"),
+        [src],
+        tmp_path / "c",
+        qwen3,
+        workers=1,
+        progress=False,
+    ).run()
     assert kept.records_written == 2
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["chat_template"]["name"] == "qwen3-keep-reasoning"
@@ -285,7 +320,9 @@ def test_dropped_reasoning_is_counted_by_name_or_stops_the_run(tmp_path):
 
 
 def test_a_chat_template_is_a_shipped_name_or_a_file_beside_the_config(tmp_path):
-    (tmp_path / "mine.jinja").write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}")  # fmt: skip
+    (tmp_path / "mine.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    )
     config = tmp_path / "config.yaml"
     data = _chat_config().model_dump(mode="json") | {"chat_template": "mine.jinja"}
     config.write_text(json.dumps(data))
@@ -295,7 +332,10 @@ def test_a_chat_template_is_a_shipped_name_or_a_file_beside_the_config(tmp_path)
     out = masker.process({"messages": REASONING_CHAT[2:]})
     decoded = masker.bundle.tokenizer.decode(out["sequence"].tolist())
     assert decoded == "<user>And 3+3?\n<assistant>6\n"
-    with pytest.raises(ConfigError, match=r"chat_template: 'nope' is neither a file nor a shipped template \(one of qwen3-keep-reasoning"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"chat_template: 'nope' is neither a file nor a shipped template \(one of qwen3-keep-reasoning",
+    ):
         _chat_config(chat_template="nope")
 
 
@@ -312,10 +352,15 @@ def test_last_turn_only_and_per_message_train_flags(oracles):
         out = RecordMasker(config, bundle).process({"messages": chat})
         mask = out["loss_mask"]
         edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-        return [bundle.tokenizer.decode(out["sequence"][a:b].tolist(), skip_special_tokens=False)
-                for a, b in edges.reshape(-1, 2)]  # fmt: skip
+        return [
+            bundle.tokenizer.decode(out["sequence"][a:b].tolist(), skip_special_tokens=False)
+            for a, b in edges.reshape(-1, 2)
+        ]
 
-    assert runs(_chat_config()) == ["<|im_start|>user\nName a colour<|im_end|>\n", "Blue<|im_end|>\n"]  # fmt: skip
+    assert runs(_chat_config()) == [
+        "<|im_start|>user\nName a colour<|im_end|>\n",
+        "Blue<|im_end|>\n",
+    ]
     assert runs(_chat_config(train_turns="last")) == ["Blue<|im_end|>\n"]
     plain = [{k: v for k, v in m.items() if k != "train"} for m in chat]
     chat[:] = plain
@@ -331,8 +376,9 @@ def test_last_turn_only_and_per_message_train_flags(oracles):
 # conversations each shipped template and the template it replaces render alike: no reasoning
 # before the last query, tool arguments as strings where the original needs them
 SHARED_CHATS = [
-    json.loads(line)["messages"] for line in (DATA / "chat_sharegpt_1000.jsonl").read_text().splitlines()[:30]
-] + [REASONING_CHAT[2:], [{"role": "system", "content": "Be brief."}, *REASONING_CHAT[:2]]]  # fmt: skip
+    json.loads(line)["messages"]
+    for line in (DATA / "chat_sharegpt_1000.jsonl").read_text().splitlines()[:30]
+] + [REASONING_CHAT[2:], [{"role": "system", "content": "Be brief."}, *REASONING_CHAT[:2]]]
 REPLACED = {
     "qwen3-keep-reasoning": ("qwen3", None),
     "qwen3.5-keep-reasoning": ("qwen3", "qwen3_5_think"),
@@ -357,8 +403,16 @@ def test_each_shipped_template_renders_as_the_one_it_replaces(name, oracles):
     assert (FOLDER / "README.md").read_text().count(f"`{name}`") == 1
 
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "w",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "w",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _call(city, as_text=False):
@@ -368,8 +422,10 @@ def _call(city, as_text=False):
 
 def _runs(bundle, ids, mask) -> list[str]:
     edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
-    return [bundle.tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
-            for a, b in edges.reshape(-1, 2)]  # fmt: skip
+    return [
+        bundle.tokenizer.decode(ids[a:b].tolist(), skip_special_tokens=False)
+        for a, b in edges.reshape(-1, 2)
+    ]
 
 
 def test_tool_rounds_close_their_turns_on_deepseek():
@@ -377,10 +433,12 @@ def test_tool_rounds_close_their_turns_on_deepseek():
     bundle = load_tokenizer(TOKENIZERS / "deepseek-v3")
     chat = []
     for city, answer in (("Paris", "Sunny."), ("Rome", "Rainy.")):
-        chat += [{"role": "user", "content": f"{city}?"},
-                 {"role": "assistant", "content": None, "tool_calls": [_call(city)]},
-                 {"role": "tool", "content": f"{answer} there"},
-                 {"role": "assistant", "content": answer}]  # fmt: skip
+        chat += [
+            {"role": "user", "content": f"{city}?"},
+            {"role": "assistant", "content": None, "tool_calls": [_call(city)]},
+            {"role": "tool", "content": f"{answer} there"},
+            {"role": "assistant", "content": answer},
+        ]
     masker = RecordMasker(_chat_config(chat_template="deepseek-v3-tools"), bundle)
     out = masker.process({"messages": chat, "tools": WEATHER})
     runs = _runs(bundle, out["sequence"], out["loss_mask"])
@@ -395,12 +453,15 @@ def test_parallel_calls_with_text_arguments_and_words_of_the_tools_block(family)
     bundle = load_tokenizer(TOKENIZERS / family)
     chat = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None,
-         "tool_calls": [_call("北京", as_text=True), _call("北京", as_text=True)]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [_call("北京", as_text=True), _call("北京", as_text=True)],
+        },
         {"role": "tool", "content": "sunny"},
         {"role": "tool", "content": "sunny too"},
         {"role": "assistant", "content": "Both sunny."},
-    ]  # fmt: skip
+    ]
     out = RecordMasker(_chat_config(), bundle).process({"messages": chat, "tools": WEATHER})
     trained = "".join(_runs(bundle, out["sequence"], out["loss_mask"]))
     assert trained.count("get_weather") == 2 and "Both sunny." in trained
@@ -449,8 +510,11 @@ def test_last_turn_only_survives_truncation_and_keeps_its_tool_calls():
     assert _runs(bundle, out["sequence"], out["loss_mask"]) == ["third answer<|im_end|>\n"]
     # a KTO completion in TRL's shape: a call, its result and the answer are the last turn
     kto = RecordMasker(default_config("kto"), bundle)
-    completion = [{"role": "assistant", "content": None, "tool_calls": [_call("Rome")]},
-                  {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "Rain."}]  # fmt: skip
+    completion = [
+        {"role": "assistant", "content": None, "tool_calls": [_call("Rome")]},
+        {"role": "tool", "content": "rain"},
+        {"role": "assistant", "content": "Rain."},
+    ]
     out = kto.process(
         {"prompt": chat[4:5], "completion": completion, "label": True, "tools": WEATHER}
     )
@@ -460,7 +524,10 @@ def test_last_turn_only_survives_truncation_and_keeps_its_tool_calls():
 
 def test_a_cut_prompt_keeps_the_reply_header_when_the_reply_opens_with_line_breaks():
     bundle = load_tokenizer(TOKENIZERS / "qwen2.5")
-    chat = [{"role": "user", "content": "word " * 30}, {"role": "assistant", "content": "\n\nAnswer here."}]  # fmt: skip
+    chat = [
+        {"role": "user", "content": "word " * 30},
+        {"role": "assistant", "content": "\n\nAnswer here."},
+    ]
     data = _chat_config().model_dump(mode="json")
     data["preprocessing"].update(max_seq_len=40, truncation_mode="cut_prompt")
     out = RecordMasker(PipelineConfig.from_dict(data), bundle).process({"messages": chat})

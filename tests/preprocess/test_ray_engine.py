@@ -28,7 +28,7 @@ from tokenmill.preprocess.ray import writer as ray_writer
 from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards
-from tokenmill.shards.writer import ShardWriter
+from tokenmill.shards.writer import ShardSpec, ShardWriter
 
 pytestmark = pytest.mark.slow  # Ray
 
@@ -77,9 +77,16 @@ def assert_same_dataset(out: Path, reference: Path) -> None:
 
 @pytest.mark.parametrize(
     ("cpus", "workers", "expected"),
-    [(2, None, (1, 1.0)), (2, 2, (1, 1.0)), (2, 8, (4, 0.25)), (16, 64, (32, 0.46)),
-     (16, None, (8, 1.87)), (1, None, (1, 0.5)), (96, 8, (4, 2.0))],
-)  # fmt: skip
+    [
+        (2, None, (1, 1.0)),
+        (2, 2, (1, 1.0)),
+        (2, 8, (4, 0.25)),
+        (16, 64, (32, 0.46)),
+        (16, None, (8, 1.87)),
+        (1, None, (1, 0.5)),
+        (96, 8, (4, 2.0)),
+    ],
+)
 def test_the_task_pool_always_leaves_a_cpu_for_the_shard_writes(cpus, workers, expected):
     """Workers are threads, two to a task; a task's share is at most its two CPUs."""
     size, share = ray_results.pool_size(cpus, workers)
@@ -119,15 +126,22 @@ def test_on_one_node_the_driver_writes_the_rows_as_they_come(ray_address):
     engine = ray_engine.RayEngine(workers=2, address=None)
     with engine.session():
         assert engine.rows_here
-        writer = engine.writer(Path("unused"), {"input_ids": "int32"}, "input_ids", 10, "bin", 0)
+        writer = engine.writer(ShardSpec(Path("unused"), {"input_ids": "int32"}, "input_ids", 10))
         assert isinstance(writer, ShardWriter)
 
 
 @pytest.mark.parametrize(
     ("train_type", "workers", "writes"),
-    [("seq", 2, "driver"), ("seq", 2, "tasks"), ("instruction", 1, "tasks"), ("sft", 2, "driver"),
-     ("dpo", 2, "tasks"), ("grpo", 1, "driver"), ("grpo", 1, "tasks")],
-)  # fmt: skip
+    [
+        ("seq", 2, "driver"),
+        ("seq", 2, "tasks"),
+        ("instruction", 1, "tasks"),
+        ("sft", 2, "driver"),
+        ("dpo", 2, "tasks"),
+        ("grpo", 1, "driver"),
+        ("grpo", 1, "tasks"),
+    ],
+)
 def test_every_training_type_matches_the_local_engine(
     tmp_path, ray_address, monkeypatch, train_type, workers, writes
 ):

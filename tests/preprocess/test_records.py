@@ -118,8 +118,12 @@ def test_error_text_and_pickle_round_trip():
     assert str(no_field) == "a.jsonl:3: expected a JSON object, got array"
     back = copy.deepcopy(err)  # the same reduce protocol pickle uses between processes
     assert (back.source, back.line, back.field, back.message, back.reason) == (
-        "data/sft.jsonl", 1042, "messages[3].role", 'expected one of [a], got "tool"', "unknown_role",
-    )  # fmt: skip
+        "data/sft.jsonl",
+        1042,
+        "messages[3].role",
+        'expected one of [a], got "tool"',
+        "unknown_role",
+    )
     assert str(back) == str(err) and isinstance(back, ValueError)
     record = Record("a.jsonl", 2, {"text": "hi"})
     assert copy.deepcopy(record) == record and pickle.dumps(record)
@@ -185,8 +189,14 @@ def test_field_errors_name_the_place():
 
 
 def test_get_field_and_check_messages_values():
-    record = Record("x.jsonl", 1, {"meta": {"lang": "en", "none": None}, "chat": [
-        {"role": "tool", "content": "", "name": "calc"}]})  # fmt: skip
+    record = Record(
+        "x.jsonl",
+        1,
+        {
+            "meta": {"lang": "en", "none": None},
+            "chat": [{"role": "tool", "content": "", "name": "calc"}],
+        },
+    )
     assert get_field(record, "meta.lang") == "en"
     assert get_field(record, "meta") == {"lang": "en", "none": None}
     with pytest.raises(RecordError, match=r"x.jsonl:1: meta.none: is null") as info:
@@ -201,16 +211,27 @@ def test_get_field_and_check_messages_values():
 
 def test_collector_keeps_good_records_and_reports_each_bad_line_once(tmp_path):
     content = (
-        _lines({"text": "one"}) + b"{bad\n" + b"\n" + _lines({"text": "four"}) + b"42\n"
-        + b'{"t": "\xff"}\n' + _lines({"text": "seven"}) + b'{"r": NaN}\n' + b'{"text": "nine"'
-    )  # fmt: skip
+        _lines({"text": "one"})
+        + b"{bad\n"
+        + b"\n"
+        + _lines({"text": "four"})
+        + b"42\n"
+        + b'{"t": "\xff"}\n'
+        + _lines({"text": "seven"})
+        + b'{"r": NaN}\n'
+        + b'{"text": "nine"'
+    )
     path = _write(tmp_path, "mixed.jsonl", content)
     errors: list[RecordError] = []
     records = list(read_records(path, on_error=errors.append))
     assert [(r.line, r.data["text"]) for r in records] == [(1, "one"), (4, "four"), (7, "seven")]
     assert [(e.line, e.reason) for e in errors] == [
-        (2, "bad_json"), (5, "not_object"), (6, "bad_utf8"), (8, "bad_json"), (9, "bad_json"),
-    ]  # fmt: skip
+        (2, "bad_json"),
+        (5, "not_object"),
+        (6, "bad_utf8"),
+        (8, "bad_json"),
+        (9, "bad_json"),
+    ]
     assert len(records) + len(errors) == 8  # 9 lines, one blank
     with pytest.raises(RecordError, match="mixed.jsonl:2: invalid JSON"):
         list(read_records(path))
@@ -288,18 +309,29 @@ def test_zstd_without_content_size_streams(tmp_path):
 
 
 def test_parquet_rows_in_batches_with_positions(tmp_path):
-    rows = [{"id": i, "messages": [{"role": "user", "content": f"q{i}"},
-                                   {"role": "assistant", "content": f"a{i}"}],
-             "meta": {"lang": "en" if i % 2 else None}} for i in range(2500)]  # fmt: skip
+    rows = [
+        {
+            "id": i,
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": f"a{i}"},
+            ],
+            "meta": {"lang": "en" if i % 2 else None},
+        }
+        for i in range(2500)
+    ]
     path = tmp_path / "chat.parquet"
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=700)
     assert pq.ParquetFile(path).num_row_groups == 4
     records = list(read_records(path))
     assert [r.line for r in records] == list(range(1, 2501))
     assert [r.data for r in records] == rows
-    assert check_messages(records[5], "messages", get_field(records[5], "messages"), CHAT_ROLES)[1] == {
-        "role": "assistant", "content": "a5",
-    }  # fmt: skip
+    assert check_messages(records[5], "messages", get_field(records[5], "messages"), CHAT_ROLES)[
+        1
+    ] == {
+        "role": "assistant",
+        "content": "a5",
+    }
     with pytest.raises(RecordError, match=r"chat.parquet:1: meta.lang: is null"):
         get_field(records[0], "meta.lang")
 
@@ -336,14 +368,28 @@ def test_reading_streams_instead_of_loading_the_file(tmp_path):
 
 
 def test_list_inputs_expands_folders_recursively_and_sorted(tmp_path):
-    for name in ["b.jsonl", "a/z.json", "a/b/c.parquet", "a.jsonl.gz", "a-b/x.jsonl.zst",
-                 "_SUCCESS", ".hidden/x.jsonl", "a/.DS_Store", "a/_meta/y.jsonl"]:  # fmt: skip
+    for name in [
+        "b.jsonl",
+        "a/z.json",
+        "a/b/c.parquet",
+        "a.jsonl.gz",
+        "a-b/x.jsonl.zst",
+        "_SUCCESS",
+        ".hidden/x.jsonl",
+        "a/.DS_Store",
+        "a/_meta/y.jsonl",
+    ]:
         _write(tmp_path / "in", name, b"")
     single = _write(tmp_path, "one.json", b"{}")
     found = list_inputs([single, str(tmp_path / "in")])
     assert [p.relative_to(tmp_path).as_posix() for p in found] == [
-        "one.json", "in/a/b/c.parquet", "in/a/z.json", "in/a-b/x.jsonl.zst", "in/a.jsonl.gz", "in/b.jsonl",
-    ]  # fmt: skip
+        "one.json",
+        "in/a/b/c.parquet",
+        "in/a/z.json",
+        "in/a-b/x.jsonl.zst",
+        "in/a.jsonl.gz",
+        "in/b.jsonl",
+    ]
 
 
 def test_list_inputs_errors(tmp_path):

@@ -34,9 +34,13 @@ def bundle():
 def test_sharegpt_conversations_load_under_the_sft_type(tmp_path):
     """LLaMA-Factory's tool chats (`conversations`, `from`/`value`) with --type sft as it is."""
     summary = Pipeline(
-        default_config("sft"), [DATA / "toolcall_glaive_zh_300.json"], tmp_path / "out", QWEN,
-        workers=1, progress=False,
-    ).run()  # fmt: skip
+        default_config("sft"),
+        [DATA / "toolcall_glaive_zh_300.json"],
+        tmp_path / "out",
+        QWEN,
+        workers=1,
+        progress=False,
+    ).run()
     assert (summary.records_read, summary.records_written) == (300, 300)
     masker = RecordMasker(default_config("sft"), load_tokenizer(QWEN))
     record = json.loads((DATA / "toolcall_glaive_zh_300.json").read_text())[0]
@@ -52,7 +56,7 @@ def test_alpaca_with_and_without_its_input(bundle):
         (
             {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
             "Add the numbers.\n2 and 3",
-        ),  # fmt: skip
+        ),
         ({"instruction": "Say hi.", "input": "", "output": "hi"}, "Say hi."),  # no newline
         ({"instruction": "Say hi.", "output": "hi"}, "Say hi."),
     ]:
@@ -76,7 +80,10 @@ def test_llama_factory_kto_trains_the_last_reply_under_its_label(bundle):
         assert bundle.tokenizer.decode(trained, skip_special_tokens=False) == "4<|im_end|>\n"
         assert out["label"].tolist() == [float(label)]
     trl = masker.process({"prompt": CHAT[:3], "completion": CHAT[3:], "label": True})
-    assert trl["completion"].tolist() == masker.process({"messages": CHAT, "label": 1})["completion"].tolist()  # fmt: skip
+    assert (
+        trl["completion"].tolist()
+        == masker.process({"messages": CHAT, "label": 1})["completion"].tolist()
+    )
 
 
 def test_messages_in_another_shape_map_by_config(bundle):
@@ -100,7 +107,10 @@ def test_messages_in_another_shape_map_by_config(bundle):
 
 def test_an_unknown_shape_names_the_field_that_maps_it(bundle):
     masker = RecordMasker(default_config("sft"), bundle)
-    with pytest.raises(RecordError, match=r"x\.jsonl:4: messages: missing field \(record has: dialog\); map one with input\.columns: \{messages: <its key>\}"):  # fmt: skip
+    with pytest.raises(
+        RecordError,
+        match=r"x\.jsonl:4: messages: missing field \(record has: dialog\); map one with input\.columns: \{messages: <its key>\}",
+    ):
         masker.process(Record("x.jsonl", 4, {"dialog": CHAT}))
 
 
@@ -110,18 +120,27 @@ def test_text_files_are_one_record_each_or_one_per_line(tmp_path):
     (folder / "a.txt").write_text(
         "A first document, long enough to pass the min_chars filter.\n" * 2
     )
-    (folder / "b.txt").write_text("line one of b, with enough characters to pass min_chars\n\nshort\r\nline four of b, also long enough to pass the min_chars filter\n")  # fmt: skip
+    (folder / "b.txt").write_text(
+        "line one of b, with enough characters to pass min_chars\n\nshort\r\nline four of b, also long enough to pass the min_chars filter\n"
+    )
     seq = default_config("seq")
     whole = Pipeline(seq, [folder], tmp_path / "whole", QWEN, workers=1, progress=False).run()
     assert (whole.records_read, whole.records_written) == (2, 2)
     data = seq.model_dump(mode="json")
     data["input"]["text_unit"] = "line"
     lines = Pipeline(
-        PipelineConfig.from_dict(data), [folder], tmp_path / "lines", QWEN, workers=1,
-        on_error="skip", progress=False,
-    ).run()  # fmt: skip
+        PipelineConfig.from_dict(data),
+        [folder],
+        tmp_path / "lines",
+        QWEN,
+        workers=1,
+        on_error="skip",
+        progress=False,
+    ).run()
     assert (lines.records_read, lines.records_written) == (6, 4)
-    rejects = [json.loads(x) for x in (tmp_path / "lines" / "rejects.jsonl").read_text().splitlines()]  # fmt: skip
+    rejects = [
+        json.loads(x) for x in (tmp_path / "lines" / "rejects.jsonl").read_text().splitlines()
+    ]
     assert [(r["source"][-5:], r["line"], r["reason"]) for r in rejects] == [
         ("b.txt", 2, "too_short"),
         ("b.txt", 3, "too_short"),

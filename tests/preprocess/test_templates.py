@@ -104,8 +104,11 @@ def _trained_runs(bundle, ids: np.ndarray, mask: np.ndarray) -> list[str]:
     ]
 
 
-HEADER = {"qwen2.5": "<|im_start|>assistant\n", "qwen3": "<|im_start|>assistant\n",
-          "deepseek-v3": "<｜Assistant｜>"}  # fmt: skip
+HEADER = {
+    "qwen2.5": "<|im_start|>assistant\n",
+    "qwen3": "<|im_start|>assistant\n",
+    "deepseek-v3": "<｜Assistant｜>",
+}
 
 
 def _expected_turn(family: str, messages: list[dict], k: int, header: bool = False) -> str:
@@ -190,25 +193,105 @@ GOLDEN_MESSAGES = [
 GOLDEN = {
     # system prompt (20 tokens) + "\n" | user "Hi!" | assistant "Hello." | user "2+2?" | assistant "4"
     "qwen2.5": (
-        [151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525,
-         264, 10950, 17847, 13, 151645, 198, 151644, 872, 198, 13048, 0, 151645, 198, 151644,
-         77091, 198, 9707, 13, 151645, 198, 151644, 872, 198, 17, 10, 17, 30, 151645, 198,
-         151644, 77091, 198, 19, 151645, 198],
-        "0000000000000000000000000000" "1111111" "000000000" "111111",
+        [
+            151644,
+            8948,
+            198,
+            2610,
+            525,
+            1207,
+            16948,
+            11,
+            3465,
+            553,
+            54364,
+            14817,
+            13,
+            1446,
+            525,
+            264,
+            10950,
+            17847,
+            13,
+            151645,
+            198,
+            151644,
+            872,
+            198,
+            13048,
+            0,
+            151645,
+            198,
+            151644,
+            77091,
+            198,
+            9707,
+            13,
+            151645,
+            198,
+            151644,
+            872,
+            198,
+            17,
+            10,
+            17,
+            30,
+            151645,
+            198,
+            151644,
+            77091,
+            198,
+            19,
+            151645,
+            198,
+        ],
+        "00000000000000000000000000001111111000000000111111",
     ),
     # BOS <User> "Hi!" | <Assistant> "Hello." <eos> | <User> "2+2?" | <Assistant> "4" <eos>
     "deepseek-v3": (
         [0, 128803, 23166, 3, 128804, 19923, 16, 1, 128803, 20, 13, 20, 33, 128804, 22, 1],
-        "0000" "1111" "00000" "111",
+        "0000111100000111",
     ),
     # no system prompt; the last assistant turn gets an empty <think> block
     "qwen3": (
-        [151644, 872, 198, 13048, 0, 151645, 198, 151644, 77091, 198, 9707, 13, 151645, 198,
-         151644, 872, 198, 17, 10, 17, 30, 151645, 198, 151644, 77091, 198, 151667, 271,
-         151668, 271, 19, 151645, 198],
-        "0000000" "1111111" "000000000" "1111111111",
+        [
+            151644,
+            872,
+            198,
+            13048,
+            0,
+            151645,
+            198,
+            151644,
+            77091,
+            198,
+            9707,
+            13,
+            151645,
+            198,
+            151644,
+            872,
+            198,
+            17,
+            10,
+            17,
+            30,
+            151645,
+            198,
+            151644,
+            77091,
+            198,
+            151667,
+            271,
+            151668,
+            271,
+            19,
+            151645,
+            198,
+        ],
+        "000000011111110000000001111111111",
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -261,21 +344,31 @@ def test_encode_text_adds_exactly_one_bos(bundles):
 def test_bundle_reads_added_token_dicts_and_null_bos(bundles):
     deepseek, qwen = bundles["deepseek-v3"], bundles["qwen2.5"]
     assert (deepseek.bos_token, deepseek.bos_id, deepseek.eos_id, deepseek.pad_id) == (
-        DS_BOS, 0, 1, 1,
-    )  # fmt: skip
+        DS_BOS,
+        0,
+        1,
+        1,
+    )
     assert (qwen.bos_token, qwen.bos_id, qwen.eos_token, qwen.eos_id, qwen.pad_id) == (
-        None, None, "<|im_end|>", 151645, 151643,
-    )  # fmt: skip
+        None,
+        None,
+        "<|im_end|>",
+        151645,
+        151643,
+    )
     assert len(qwen.fingerprint) == 64 and qwen.fingerprint != bundles["qwen3"].fingerprint
     assert load_tokenizer(str(DATA / "tokenizers" / "qwen2.5")) is qwen  # cached
 
 
 def test_template_sources_in_a_folder(tmp_path, bundles):
     shutil.copy(DATA / "tokenizers" / "qwen2.5" / "tokenizer.json", tmp_path / "tokenizer.json")
-    config = {"eos_token": "<|im_end|>", "chat_template": [
-        {"name": "tool_use", "template": "tools"},
-        {"name": "default", "template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"},
-    ]}  # fmt: skip
+    config = {
+        "eos_token": "<|im_end|>",
+        "chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"},
+        ],
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     listed = load_tokenizer(tmp_path)
     assert render_text(listed, [{"role": "user", "content": "a"}]) == "[a]"
@@ -465,6 +558,7 @@ HOSTILE = (
 )
 
 
+@pytest.mark.slow  # waits out render time limits
 @pytest.mark.parametrize("workers", [1, 2])
 def test_templates_that_loop_or_allocate_without_bound_are_counted_bad_records(
     tmp_path, monkeypatch, workers

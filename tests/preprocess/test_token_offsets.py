@@ -67,6 +67,7 @@ def assert_same_as_encode(bundle: TokenizerBundle, text: str) -> bool:
     return offsets.encoding is None
 
 
+@pytest.mark.slow  # 600 shipped renderings a family
 @pytest.mark.parametrize("family", FAMILIES)
 def test_derived_positions_are_the_tokenizers_offsets_on_shipped_conversations(family):
     bundle = load_tokenizer(TOKENIZERS / family)
@@ -129,6 +130,7 @@ def test_a_dpo_pair_encodes_its_prompt_once(family):
     assert assert_same_as_encode(bundle, rejected)
 
 
+@pytest.mark.slow  # two tokenizers built from Qwen's tokenizer.json
 def test_tokenizers_whose_added_tokens_can_overlap_encode_all_of_each_text():
     """`q<a>z` holds `<a>`: where one added token can hold or overlap another, a match depends
     on what follows it (`q<a>y` has `<a>` at 1, `q<a>z` does not), so nothing is kept."""
@@ -149,6 +151,7 @@ def test_text_the_normalizer_changes_falls_back_to_the_tokenizers_offsets():
     assert not assert_same_as_encode(bundle, text)
 
 
+@pytest.mark.slow  # five tokenizers built from Qwen's tokenizer.json
 def test_tokenizers_it_cannot_derive_for_use_their_offsets():
     """Not byte-level (a word-level model); a normalizer that rewrites text (lower case);
     offsets that leave out characters a token stands for: trimmed (GPT-2-style

@@ -28,6 +28,7 @@ from tokenmill.preprocess.chat.tokenizer import (
 )
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.document.masking import RecordMasker
+from tokenmill.preprocess.document.parts import MadeAhead
 from tokenmill.preprocess.engines import chunks
 from tokenmill.preprocess.engines.chunks import encode_ahead, render_ahead
 from tokenmill.preprocess.inputs.records import Record, RecordError
@@ -48,6 +49,7 @@ def gpt2_style(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # a transformers tokenizer a family
 @pytest.mark.parametrize("family", ["qwen2.5", "deepseek-v3", "gpt2-style"])
 def test_plain_text_gets_the_special_tokens_its_tokenizer_would_add(family, gpt2_style):
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -89,8 +91,9 @@ def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
     records.append(Record("c4.jsonl", 43, {"text": "x" * 20_001}))
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
-    ahead.encoded = encode_ahead(ahead, records)
-    assert len(ahead.encoded) == 41  # not the text past max_chars, nor the record without one
+    made = MadeAhead(encoded=encode_ahead(ahead, records))
+    ahead.take_ahead(made)
+    assert len(made.encoded) == 41  # not the text past max_chars, nor the record without one
     for record in records:
         try:
             expected = one.process_counted(record)[0]
@@ -101,9 +104,10 @@ def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
         got = ahead.process_counted(record)[0]
         assert got.keys() == expected.keys()
         assert all(np.array_equal(got[k], expected[k]) for k in got)
-    assert not ahead.encoded  # every text encoded ahead was used
+    assert not made.encoded  # every text encoded ahead was used
 
 
+@pytest.mark.slow  # shipped chats rendered both ways, 3 families
 @pytest.mark.parametrize("family", ["qwen2.5", "qwen3", "deepseek-v3"])
 def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, monkeypatch):
     """Chat SFT is rendered and encoded a chunk at a time (one batched encode): every array
@@ -121,20 +125,31 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
     values += [{"messages": r["conversations"], "tools": r["tools"]} for r in calls]
     decomposed = "Cafe\u0301 au lait, " * 5  # not NFC: the normalizer changes it
     values += [
-        {"messages": [{"role": "user", "content": decomposed}, {"role": "assistant", "content": "Oui."}]},
+        {
+            "messages": [
+                {"role": "user", "content": decomposed},
+                {"role": "assistant", "content": "Oui."},
+            ]
+        },
         {"messages": []},
         {"messages": [{"role": "user", "content": 3}]},
-        {"messages": [{"role": "user", "content": "short"}, {"role": "assistant", "content": "ok"}]},
+        {
+            "messages": [
+                {"role": "user", "content": "short"},
+                {"role": "assistant", "content": "ok"},
+            ]
+        },
         {"text": "no messages"},
-    ]  # fmt: skip
+    ]
     records = [Record("chat.jsonl", i, value) for i, value in enumerate(values, 1)]
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
-    ahead.rendered = render_ahead(ahead, records)
-    derived = [made[4] is not None for entries in ahead.rendered.values() for made in entries]
+    made = MadeAhead(rendered=render_ahead(ahead, records))
+    ahead.take_ahead(made)
+    derived = [made[4] is not None for entries in made.rendered.values() for made in entries]
     assert sum(derived) >= 30
     if family != "deepseek-v3":  # no normalizer there: nothing for it to change
-        [(*_, offsets)] = ahead.rendered[("chat.jsonl", records[-5].line)]
+        [(*_, offsets)] = made.rendered[("chat.jsonl", records[-5].line)]
         assert not offsets  # encoded alone, with its normalizer
     encodes = {one: 0, ahead: 0}  # texts each masker encodes on its own
     alone = spans.encode_offsets
@@ -154,11 +169,11 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
                 ahead.process_counted(record)
             continue
         masker = ahead
-        assert (record.source, record.line) in ahead.rendered  # only a failing one renders none
+        assert (record.source, record.line) in made.rendered  # only a failing one renders none
         got = ahead.process_counted(record)[0]
         assert got.keys() == expected.keys()
         assert all(np.array_equal(got[k], expected[k]) for k in got)
-    assert not ahead.rendered  # every rendering made ahead was used
+    assert not made.rendered  # every rendering made ahead was used
     assert encodes[ahead] <= encodes[one] - 30  # and its encoding, where it was derived
     monkeypatch.setattr(chunks, "AHEAD_CHARS", 20_000)  # past it, records go one at a time
     assert 1 < len(render_ahead(ahead, records)) < 30
@@ -177,7 +192,7 @@ def _preference_records(preset: str) -> list[Record]:
     turns = [
         {"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: " + "word " * 90}
         for i in range(9)
-    ]  # fmt: skip
+    ]
     reply = [{"role": "assistant", "content": "A short reply."}]
     other = [{"role": "assistant", "content": "Another reply."}]
     bad = [{"role": "assistant", "content": 3}]
@@ -228,14 +243,15 @@ def test_preference_records_rendered_ahead_in_one_batch_give_the_same_rows(
     records = _preference_records(preset)
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
-    ahead.rendered = render_ahead(ahead, records)
+    made = MadeAhead(rendered=render_ahead(ahead, records))
+    ahead.take_ahead(made)
     conversations = 2 if preset == "dpo" else 1
     for line in (1, 25, 26) if preset != "grpo" else (1, 26):  # explicit, implicit, to be cut
-        assert len(ahead.rendered[("pairs.jsonl", line)]) == conversations
-    assert ("pairs.jsonl", 27) not in ahead.rendered  # text: rendered by the record's own pass
-    assert ("<record>", 0) not in ahead.rendered  # a name two records share
+        assert len(made.rendered[("pairs.jsonl", line)]) == conversations
+    assert ("pairs.jsonl", 27) not in made.rendered  # text: rendered by the record's own pass
+    assert ("<record>", 0) not in made.rendered  # a name two records share
     if preset == "dpo":  # a bad reply: the record renders on its own, and says why
-        assert not {("pairs.jsonl", 29), ("pairs.jsonl", 30)} & ahead.rendered.keys()
+        assert not {("pairs.jsonl", 29), ("pairs.jsonl", 30)} & made.rendered.keys()
     alone = spans.encode_offsets
     encodes = {one: 0, ahead: 0}
 
@@ -259,7 +275,7 @@ def test_preference_records_rendered_ahead_in_one_batch_give_the_same_rows(
         assert got.keys() == expected.keys() and got_counts == counts
         assert all(_same(got[k], expected[k]) for k in got)
     assert encodes[ahead] <= encodes[one] - 24 * conversations
-    assert not ahead.rendered  # every rendering made ahead was used
+    assert not made.rendered  # every rendering made ahead was used
 
 
 def _same(a, b) -> bool:
@@ -284,6 +300,7 @@ def test_the_unnormalized_tokenizer_shares_the_model_and_its_added_tokens():
     assert unnormalized(cutting) is cutting
 
 
+@pytest.mark.slow  # 12,000 words encoded 4 times
 @pytest.mark.parametrize("family", ["qwen2.5", "deepseek-v3"])
 def test_the_larger_word_cache_gives_the_ids_of_a_plain_tokenizer(family):
     """Loaded, a BPE model keeps more merged words than `tokenizers` does by default: a text of

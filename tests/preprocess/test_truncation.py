@@ -51,6 +51,7 @@ def turns(messages: list[dict]) -> tuple[list[dict], list[int]]:
     return messages[:head], starts
 
 
+@pytest.mark.slow  # transformers renders every turn suffix of 150 chats, 3 families
 @pytest.mark.parametrize("family", FAMILIES)
 def test_latest_turns_keep_the_system_prompt_and_the_latest_turns_that_fit(family, oracles):
     """The kept conversation is transformers' rendering of the system prompt plus the longest
@@ -65,9 +66,10 @@ def test_latest_turns_keep_the_system_prompt_and_the_latest_turns_that_fit(famil
         if len(full) <= limit or len(starts) < 2:
             continue
         fitting = [
-            k for k in range(1, len(starts))
+            k
+            for k in range(1, len(starts))
             if len(oracle_ids(oracle, system + messages[starts[k] :])) <= limit
-        ]  # fmt: skip
+        ]
         if not fitting:
             continue  # no suffix of turns fits: the fallback, tested below
         k = fitting[0]

@@ -13,11 +13,17 @@ import pytest
 import xxhash
 from helpers import ROOT
 
-from tokenmill.shards.format import FORMAT_VERSION, Column
+from tokenmill.shards.format import (
+    FORMAT_VERSION,
+    NO_POSITION,
+    Column,
+    DocumentLengths,
+    opens_document,
+)
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.shards.reader import find_shards, read_meta
 from tokenmill.shards.verify import verify_dataset
-from tokenmill.shards.writer import ShardWriter, write_shard
+from tokenmill.shards.writer import ShardSpec, ShardWriter, write_shard
 
 SFT = {"sequence": "int32", "loss_mask": "bool", "position_ids": "int32"}
 GRPO = {"prompts": "int32", "responses": "int32", "masks": "bool", "rewards": "float32"}
@@ -65,9 +71,14 @@ def test_stream_keys_written_exactly(tmp_path):
     )
     shard = tmp_path / "shard_00000"
     assert sorted(p.name for p in shard.iterdir()) == [
-        "loss_mask.bin", "loss_mask.offsets.bin", "meta.json", "position_ids.bin",
-        "position_ids.offsets.bin", "sequence.bin", "sequence.offsets.bin",
-    ]  # fmt: skip
+        "loss_mask.bin",
+        "loss_mask.offsets.bin",
+        "meta.json",
+        "position_ids.bin",
+        "position_ids.offsets.bin",
+        "sequence.bin",
+        "sequence.offsets.bin",
+    ]
     seq = (shard / "sequence.bin").read_bytes()
     assert seq == np.array([5, 6, 7, 8, 9, 1, 2, 3, 4], "<i4").tobytes()
     assert (shard / "loss_mask.bin").read_bytes() == bytes([1, 0, 1, 0, 1, 1, 0, 1, 0])
@@ -77,13 +88,18 @@ def test_stream_keys_written_exactly(tmp_path):
     meta = json.loads((shard / "meta.json").read_text())
     seq_hash, offsets_hash = xxhash.xxh64(seq).hexdigest(), xxhash.xxh64(offsets).hexdigest()
     assert meta["sequence"] == {
-        "shape": [9], "dtype": "int32", "nbytes": 36, "xxh64": seq_hash,
+        "shape": [9],
+        "dtype": "int32",
+        "nbytes": 36,
+        "xxh64": seq_hash,
         "pages": {"bytes": 1 << 20, "xxh64": seq_hash},  # one page: the whole file's digest
         "offsets": {
-            "file": "sequence.offsets.bin", "count": 4, "xxh64": offsets_hash,
+            "file": "sequence.offsets.bin",
+            "count": 4,
+            "xxh64": offsets_hash,
             "pages": {"bytes": 1 << 20, "xxh64": offsets_hash},
         },
-    }  # fmt: skip
+    }
     assert list(meta) == list(SFT) and meta["loss_mask"]["nbytes"] == 9
     assert read_meta(shard) == meta and verify_dataset(tmp_path) == []
 
@@ -119,8 +135,11 @@ def test_shards_roll_before_the_limit_is_passed(tmp_path):
         tmp_path, [sft_record(range(n)) for n in lengths], max_tokens=10, first_index=7
     )
     assert [(i["name"], i["records"], i["tokens"]) for i in infos] == [
-        ("shard_00007", 2, 8), ("shard_00008", 1, 4), ("shard_00009", 1, 11), ("shard_00010", 1, 1),
-    ]  # fmt: skip
+        ("shard_00007", 2, 8),
+        ("shard_00008", 1, 4),
+        ("shard_00009", 1, 11),
+        ("shard_00010", 1, 1),
+    ]
     assert [p.name for p in find_shards(tmp_path)] == [i["name"] for i in infos]
     assert verify_dataset(tmp_path) == []
 
@@ -142,8 +161,9 @@ def test_jsonl_storage_format(tmp_path):
         tmp_path, records, GRPO, primary="prompts", max_tokens=3, storage_format="jsonl"
     )
     assert [(i["name"], i["records"], i["tokens"]) for i in infos] == [
-        ("part_00000.jsonl", 1, 2), ("part_00001.jsonl", 1, 3),
-    ]  # fmt: skip
+        ("part_00000.jsonl", 1, 2),
+        ("part_00001.jsonl", 1, 3),
+    ]
     assert (tmp_path / "part_00000.jsonl").read_text() == (
         '{"prompts":[1,2],"responses":[[3],[4,5]],"masks":[[1],[1,1]],"rewards":[0.1,1.0]}\n'
     )
@@ -296,12 +316,20 @@ def test_verify_finds_unordered_offsets_and_manifest_disagreement(tmp_path):
         ({"sequence": {"shape": [3, 1], "dtype": "int32"}}, "shape must be \\[n\\]"),
         ({"sequence": {"shape": [3], "dtype": "int31"}}, "dtype 'int31' is not one of"),
         ({"sequence": {"shape": [3], "dtype": "int32", "nbytes": 13}}, "nbytes 13 does not match"),
-        ({"sequence": {"shape": [3], "dtype": "int32", "offsets": {"file": "../x", "count": 2}}}, "offsets must be"),
-        ({"a": {"shape": [3], "dtype": "int32", "offsets": [0, 3]}, "b": {"shape": [3], "dtype": "int32", "offsets": [0, 1, 3]}},
-         "keys disagree on the number of records: {'a': 1, 'b': 2}"),
+        (
+            {"sequence": {"shape": [3], "dtype": "int32", "offsets": {"file": "../x", "count": 2}}},
+            "offsets must be",
+        ),
+        (
+            {
+                "a": {"shape": [3], "dtype": "int32", "offsets": [0, 3]},
+                "b": {"shape": [3], "dtype": "int32", "offsets": [0, 1, 3]},
+            },
+            "keys disagree on the number of records: {'a': 1, 'b': 2}",
+        ),
         ([1, 2], "expected a mapping"),
     ],
-)  # fmt: skip
+)
 def test_read_meta_names_file_and_key(tmp_path, meta, message):
     (tmp_path / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=message) as err:
@@ -357,6 +385,7 @@ def test_verify_checks_that_stored_document_boundaries_add_up_to_their_rows(tmp_
     ]
 
 
+@pytest.mark.slow  # a subprocess writes a 256 MB shard
 def test_the_writer_streams_rows_to_disk_so_its_memory_does_not_grow_with_the_shard(tmp_path):
     """A 256 MB shard (64M int32 tokens in 4M-token rows) is written with the process's peak
     memory under 96 MB above where it started: rows go to the shard's temp files as they come."""
@@ -378,3 +407,80 @@ def test_the_writer_streams_rows_to_disk_so_its_memory_does_not_grow_with_the_sh
     meta = json.loads((tmp_path / "shard_00000" / "meta.json").read_text())
     assert meta["sequence"]["shape"] == [1 << 26]
     assert verify_dataset(tmp_path, require_manifest=False) == []
+
+
+def test_a_shard_spec_writes_what_its_six_fields_write(tmp_path):
+    """ShardWriter takes a ShardSpec, or the spec's fields as it always has: the same shards."""
+    rows = [sft_record([5, 6, 7]), sft_record([8, 9]), sft_record([1, 2, 3, 4])]
+    spec = ShardSpec(tmp_path / "spec", SFT, "sequence", 4, "jsonl", 2)
+    with ShardWriter(spec) as writer:
+        for row in rows:
+            writer.add(row)
+    kw = {"max_tokens_per_shard": 4, "storage_format": "jsonl", "first_index": 2}
+    with ShardWriter(tmp_path / "fields", SFT, "sequence", **kw) as writer:
+        for row in rows:
+            writer.add(row)
+    assert tree(tmp_path / "spec") == tree(tmp_path / "fields")
+    assert sorted(tree(tmp_path / "spec")) == [f"part_0000{i}.jsonl" for i in (2, 3, 4)]
+    with pytest.raises(ValueError, match="storage_format 'csv' is not one of"):
+        ShardSpec(tmp_path, SFT, "sequence", 4, "csv")
+
+
+def columns_of(rows: list[list[int]], documents: list[list[int]] | None, positions) -> dict:
+    """One shard's columns: rows of tokens, each row's stored documents, all positions."""
+    lengths = [len(r) for r in rows]
+    columns = {
+        "sequence": Column(np.arange(sum(lengths)), np.cumsum([0, *lengths])),
+    }
+    if documents is not None:
+        pieces = [n for row in documents for n in row]
+        columns["doc_lengths"] = Column(
+            np.asarray(pieces), np.cumsum([0, *(len(row) for row in documents)])
+        )
+    if positions is not None:
+        columns["position_ids"] = Column(np.asarray(positions), np.cumsum([0, *lengths]))
+    return columns
+
+
+# two rows packed by `stream`: A (3 tokens), B (4: 2 in each row), C (3)
+STREAM_ROWS = [[0] * 5, [0] * 5]
+STREAM_PIECES = [[3, 2], [2, 3]]
+STREAM_POSITIONS = [0, 1, 2, 0, 1, 2, 3, 0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("documents", "positions", "marks", "lengths"),
+    [
+        (STREAM_PIECES, STREAM_POSITIONS, True, [3, 4, 3]),  # B's rest goes on: joined
+        (None, STREAM_POSITIONS, True, [3, 4, 3]),  # no stored documents: positions tell
+        (STREAM_PIECES, None, True, [3, 2, 2, 3]),  # no positions: each piece is one
+        (None, None, True, [5, 5]),  # neither: each row is one
+        # continuous positions count through a row: they tell nothing, the pieces do
+        (STREAM_PIECES, [0, 1, 2, 3, 4, 0, 1, 2, 3, 4], False, [3, 2, 2, 3]),
+        # a split piece placed apart (positions jump): a document of its own
+        ([[3, 2], [2, 3]], [0, 1, 2, 5, 6, 0, 1, 0, 1, 2], True, [3, 2, 2, 3]),
+    ],
+)
+def test_documents_start_where_pieces_do_not_go_on(documents, positions, marks, lengths):
+    found = DocumentLengths(marks)
+    found.add(columns_of(STREAM_ROWS, documents, positions))
+    assert found.lengths().tolist() == lengths
+
+
+def test_a_document_goes_on_across_shard_ends():
+    """B starts at the end of the first shard and goes on in the second; a domain's
+    documents are read shard after shard."""
+    found = DocumentLengths()
+    found.add(columns_of([[0] * 5], [[3, 2]], [0, 1, 2, 0, 1]))
+    found.add(columns_of([[0] * 5], [[2, 3]], [2, 3, 0, 1, 2]))
+    assert found.lengths().tolist() == [3, 4, 3]
+    again = DocumentLengths()  # the same rows without stored documents
+    again.add(columns_of([[0] * 5], None, [0, 1, 2, 0, 1]))
+    again.add(columns_of([[0] * 5], None, [2, 3, 0, 1, 2]))
+    assert again.lengths().tolist() == [3, 4, 3]
+
+
+def test_the_rule_opens_a_piece_unless_its_positions_go_on_by_one():
+    first = np.array([0, 4, 7, 0])
+    before = np.array([NO_POSITION, 3, 3, 9])
+    assert opens_document(first, before).tolist() == [True, False, True, True]

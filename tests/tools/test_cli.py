@@ -104,6 +104,7 @@ def test_inspect_json_matches_independent_counts(capsys, datasets):
     assert "dpo_length_gap" in out
 
 
+@pytest.mark.slow  # imports matplotlib, renders a PNG
 def test_inspect_plot_writes_a_png(capsys, datasets, tmp_path):
     png = tmp_path / "lengths.png"
     assert run(capsys, "inspect", datasets["sft"], "--plot", png)[0] == 0

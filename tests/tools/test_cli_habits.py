@@ -24,6 +24,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.slow  # a Python subprocess
 def test_version_is_the_installed_package_version():
     done = subprocess.run(
         [sys.executable, "-m", "tokenmill", "--version"], capture_output=True, text=True

@@ -346,6 +346,7 @@ def test_no_sft_sample_starts_mid_conversation(chats):
     assert sum(len(rows[i]["input_ids"]) + 1 for i in range(len(rows))) == rows.store.token_count
 
 
+@pytest.mark.slow  # masks the shipped chats again
 def test_record_samples_are_each_conversation_alone(chats):
     """Record i is conversation i as the pipeline's masker makes it, shifted by one."""
     from tokenmill.preprocess.chat.tokenizer import load_tokenizer
@@ -382,25 +383,37 @@ def test_a_row_longer_than_the_sample_is_refused_by_name(chats):
 
 
 def test_record_samples_join_the_pieces_of_a_document_packed_across_rows(tmp_path):
-    """`stream` packing cuts conversations at row ends: record samples put each one back
-    together from the stored boundaries; row samples, which would start mid-conversation,
-    are refused by name."""
+    """`stream` packing cuts conversations at row ends (and shard ends): record samples put
+    each one back together from the stored boundaries, and `tokenmill inspect` and the
+    Megatron export find the same documents (one rule: shards/format.py's opens_document);
+    row samples, which would start mid-conversation, are refused by name."""
     from tokenmill.preprocess.run.pipeline import Pipeline
+    from tokenmill.tools.convert import export_megatron
+    from tokenmill.tools.inspect import dataset_stats
+    from tokenmill.tools.megatron import read_megatron
 
     with open(DATA / "chat_sharegpt_1000.jsonl", encoding="utf-8") as f:
         (tmp_path / "in.jsonl").write_text("".join(next(f) for _ in range(20)))
     config = default_config("sft").model_dump(mode="json")
     config["preprocessing"].update(packing_strategy="stream", max_packed_len=300)
+    config["output"].update(max_tokens_per_shard=1000)
+    out = tmp_path / "out"
     summary = Pipeline(
-        PipelineConfig.from_dict(config), [tmp_path / "in.jsonl"], tmp_path / "out", TOKENIZER,
-        workers=1,
-    ).run()  # fmt: skip
-    records = DatasetFactory.load("sft", tmp_path / "out", window_size=2048, sample="record")
+        PipelineConfig.from_dict(config), [tmp_path / "in.jsonl"], out, TOKENIZER, workers=1
+    ).run()
+    assert summary.shards > 2
+    records = DatasetFactory.load("sft", out, window_size=2048, sample="record")
     assert len(records) == summary.records_written
     assert all(records[i]["input_ids"][0] == IM_START for i in range(len(records)))
     assert sum(records.sample_length(i) + 1 for i in range(len(records))) == summary.tokens
+    lengths = [records.sample_length(i) + 1 for i in range(len(records))]
+    stats = dataset_stats(out)["domains"][""]
+    assert stats["documents"] == len(lengths)
+    assert stats["document_length"]["max"] == max(lengths)
+    export_megatron(out, tmp_path / "mg" / "corpus", tokens_only=True)
+    assert read_megatron(tmp_path / "mg" / "corpus").lengths.tolist() == lengths
     with pytest.raises(ValueError, match="rows start inside a document"):
-        DatasetFactory.load("sft", tmp_path / "out", window_size=2048)
+        DatasetFactory.load("sft", out, window_size=2048)
 
 
 def test_truncating_a_row_sample_cuts_its_boundaries_too(chats):

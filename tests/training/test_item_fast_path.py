@@ -51,6 +51,7 @@ def assert_item(got: dict[str, torch.Tensor], expected: dict[str, np.ndarray]) -
         assert got[key].numpy().flags.writeable  # the item's own copy, never the map
 
 
+@pytest.mark.slow  # every window in 4 orders, 8 cases
 @pytest.mark.parametrize("kind", ["seq", "sft"])
 @pytest.mark.parametrize("limit", [0, 1, 2, 32])
 def test_items_in_any_order_equal_the_stream_and_the_batched_read(root, kind, limit):

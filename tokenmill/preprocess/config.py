@@ -206,6 +206,11 @@ class InputConfig(_Strict):
             return {k: [v] if isinstance(v, str) else v for k, v in value.items()}
         return value
 
+    def all_sections(self) -> list[Section]:
+        """Every section: the single output's, then each source's."""
+        sources = (self.sources or {}).values()
+        return [*self.sections, *(s for source in sources for s in source.sections)]
+
     @model_validator(mode="after")
     def _check(self) -> InputConfig:
         if not self.sources and not self.sections:
@@ -354,9 +359,8 @@ class PipelineConfig(_Strict):
         return bool(self.input.sources)
 
     def all_sections(self) -> list[Section]:
-        """Every section: the single output's, then each source's."""
-        sources = (self.input.sources or {}).values()
-        return [*self.input.sections, *(s for source in sources for s in source.sections)]
+        """Every section of the input (InputConfig.all_sections)."""
+        return self.input.all_sections()
 
     def role_trains(self, role: str) -> bool:
         return self.mask.get(role, self.mask_default) == "train"

@@ -14,9 +14,14 @@ from typing import Any
 # Why tokens leave the flow. truncated and packing_overflow cut tokens from records that are
 # still written (their `records` count the records cut); the others drop whole records.
 DROP_REASONS = (
-    "truncated", "too_short", "too_long", "no_trained_tokens", "identical_pair",
-    "packing_overflow", "bad_record",
-)  # fmt: skip
+    "truncated",
+    "too_short",
+    "too_long",
+    "no_trained_tokens",
+    "identical_pair",
+    "packing_overflow",
+    "bad_record",
+)
 CUTS = ("truncated", "packing_overflow")
 
 
@@ -77,9 +82,11 @@ class Ledger:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Ledger:
         ledger = cls(
-            data["records_read"], data["records_written"], data["tokens_read"],
+            data["records_read"],
+            data["records_written"],
+            data["tokens_read"],
             data["tokens_written"],
-        )  # fmt: skip
+        )
         for reason, entry in data.get("dropped", {}).items():
             ledger.drop(reason, entry["records"], entry["tokens"])
         return ledger

@@ -26,7 +26,8 @@ class ColumnBuffer:
     """Collects one key's values record by record; build() gives the shard's Column."""
 
     def __init__(self, key: str, is_list: bool):
-        self.key, self.is_list = key, is_list
+        self.key = key
+        self.is_list = is_list
         self.parts: list[np.ndarray] = []
         self.lengths: list[int] = []  # per record (plain) or per item (list key)
         self.item_counts: list[int] = []  # per record, list keys only

@@ -19,9 +19,18 @@ FORMAT_VERSION = 1
 
 
 DtypeName = Literal[
-    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64",
-    "float16", "float32", "float64",
-]  # fmt: skip
+    "bool",
+    "int8",
+    "uint8",
+    "int16",
+    "uint16",
+    "int32",
+    "uint32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+]
 DTYPES = {name: np.dtype(name).newbyteorder("<") for name in get_args(DtypeName)}
 
 
@@ -154,14 +163,103 @@ def is_shard_name(name: str) -> bool:
     return re.fullmatch(r"shard_\d+|part_\d+\.jsonl", name) is not None
 
 
-def opens_document(first_positions: Any) -> np.ndarray:
-    """Which row pieces (`doc_lengths`) start a document, from each piece's first position:
-    one that does not start at 0 is the rest of the document before it (`stream` packing
-    cuts documents at rows); the first piece always opens one."""
-    opens = np.asarray(first_positions) == 0
-    if len(opens):
-        opens[0] = True
-    return opens
+NO_POSITION = -2  # the position "before" a stream's first piece: there is none, so it opens one
+
+
+def opens_document(first: Any, before: Any) -> np.ndarray:
+    """Which pieces of a token stream open a document (the one rule for where documents
+    start), from each piece's first position and the position of the token right before it
+    (NO_POSITION where there is none). A piece goes on with the document before it exactly
+    when its positions go on by one from that token: the rest of a document that `stream`
+    packing cut at a row's end, or that bfd_split placed right after its pieces. Any other
+    piece opens one: its positions restart at 0, or jump.
+
+    A piece is a row's stored `doc_lengths` entry; a row, where a dataset stores none; a
+    single token, where rows do not store their documents but positions tell them. Only
+    positions that restart at each document tell (`positions_mark_documents`): where they do
+    not, every piece opens a document."""
+    return np.asarray(first) != np.asarray(before) + 1
+
+
+def positions_mark_documents(manifest: dict | None) -> bool:
+    """Whether a dataset's `position_ids` tell its documents apart: `doc_reset`'s restart at
+    each one, and a dataset that does not say (no manifest, or one without a config: seed
+    shards, an import) is taken to be doc_reset's; `continuous` positions count through a
+    row, so they tell nothing."""
+    config = (manifest or {}).get("config") or {}
+    return (config.get("output") or {}).get("position_ids_mode") in (None, "doc_reset")
+
+
+class DocumentLengths:
+    """The lengths of the documents of one token stream (a domain's), read shard by shard in
+    order: each shard's pieces joined where `opens_document` says one goes on with the
+    document before it, across shard ends too. `marks`: whether the stream's positions tell
+    documents apart (`positions_mark_documents`)."""
+
+    def __init__(self, marks: bool = True) -> None:
+        self.marks = marks
+        self.closed: list[np.ndarray] = []
+        self.open: int | None = None  # tokens so far of the document the last piece is in
+        self.last = NO_POSITION  # the position of the stream's last token so far
+
+    def add(self, columns: dict[str, Column], key: str = "sequence") -> None:
+        """One shard's documents: its rows' stored `doc_lengths`, else its rows of `key` (a
+        stream-only shard: one piece), split further where positions start a document."""
+        column = columns.get("position_ids") if self.marks else None
+        positions = None if column is None else np.asarray(column.values)
+        if positions is not None and not len(positions):
+            positions = None
+        if "doc_lengths" in columns:
+            pieces = np.asarray(columns["doc_lengths"].values, dtype=np.int64)
+        elif positions is not None:  # documents not stored: each token is a piece
+            pieces = None
+        else:
+            rows = columns[key]
+            pieces = (
+                np.diff(rows.offsets)
+                if rows.offsets is not None
+                else np.array([len(rows.values)], dtype=np.int64)
+            )
+        if pieces is None:
+            assert positions is not None
+            inner = np.flatnonzero(opens_document(positions[1:], positions[:-1])) + 1
+            starts = np.concatenate([[0], inner]).astype(np.int64)
+            lengths = np.diff(np.append(starts, len(positions)))
+            opens = np.ones(len(lengths), dtype=bool)
+            opens[0] = opens_document(positions[0], self.last)
+        else:
+            lengths = pieces[pieces > 0]
+            if not len(lengths):
+                return
+            opens = np.ones(len(lengths), dtype=bool)
+            if positions is not None:
+                starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+                before = np.empty(len(lengths), dtype=np.int64)
+                before[0] = self.last
+                before[1:] = positions[starts[1:] - 1]
+                opens = opens_document(positions[starts], before)
+        self.last = int(positions[-1]) if positions is not None else NO_POSITION
+        self._join(lengths, opens)
+
+    def _join(self, lengths: np.ndarray, opens: np.ndarray) -> None:
+        if self.open is None:
+            opens[0] = True
+        at = np.flatnonzero(opens)
+        if not len(at):
+            self.open = (self.open or 0) + int(lengths.sum())
+            return
+        head = int(lengths[: at[0]].sum())
+        if self.open is not None:
+            self.closed.append(np.array([self.open + head], dtype=np.int64))
+        sums = np.add.reduceat(lengths, at)
+        self.closed.append(np.asarray(sums[:-1], dtype=np.int64))
+        self.open = int(sums[-1])
+
+    def lengths(self) -> np.ndarray:
+        """Every document's length, in stream order (the last one closed by the stream's end)."""
+        last = [np.array([self.open], dtype=np.int64)] if self.open is not None else []
+        parts = self.closed + last
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def is_count(value: Any) -> bool:

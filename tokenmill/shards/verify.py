@@ -123,7 +123,8 @@ def _bad_page(path: Path, pages: dict, picked: Iterable[int]) -> str | None:
 def _verify_shard(shard: Path, rel: str, meta: dict, checksums: bool = True) -> list[str]:
     problems = []
     for key, entry in meta.items():
-        path, dtype = shard / f"{key}.bin", DTYPES[entry["dtype"]]
+        path = shard / f"{key}.bin"
+        dtype = DTYPES[entry["dtype"]]
         where = f"{rel}/{key}.bin: key {key!r}"
         expected = entry["shape"][0] * dtype.itemsize
         if not path.is_file():

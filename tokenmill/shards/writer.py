@@ -4,6 +4,8 @@ A shard is staged in a temp folder (arrays, offsets, fsync, `meta.json` last) an
 into place; `ShardCutter` decides where shards end from token counts alone, so the local
 writer and the Ray engine's planner cut the same shards. `ShardWriter` streams each row to its
 shard's temp files as it comes (`StagedShard`), so its memory does not grow with the shard.
+`ShardSpec` is what a domain's writer is told: the local writer, the Ray engine's writer and
+its write tasks all take one.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import xxhash
@@ -97,7 +100,8 @@ class StagedPart:
     def __init__(self, final: Path) -> None:
         self.tmp = tmp_path(Path(final))
         self.file = open(self.tmp, "wb")  # noqa: SIM115  # closed by finish() or discard()
-        self.hash, self.nbytes = xxhash.xxh64(), 0
+        self.hash = xxhash.xxh64()
+        self.nbytes = 0
 
     def add(self, line: bytes) -> None:
         self.file.write(line)
@@ -129,7 +133,8 @@ class _StagedColumn:
     def __init__(self, path: Path, dtype: str, where: str) -> None:
         self.file = open(path, "wb")  # noqa: SIM115  # closed by finish() or discard()
         self.hashes = FileHashes()
-        self.dtype, self.where = dtype, where
+        self.dtype = dtype
+        self.where = where
         self.pending: list[np.ndarray] = []
         self.pending_bytes = self.count = 0
         self.lengths: list[int] = []  # per record (plain) or per item (list key)
@@ -172,7 +177,8 @@ class StagedShard:
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(parents=True)
-        self.dtypes, self.list_keys = dtypes, list_keys
+        self.dtypes = dtypes
+        self.list_keys = list_keys
         self.columns = {
             key: _StagedColumn(self.tmp / f"{key}.bin", dtypes[key], f"key {key!r}") for key in keys
         }
@@ -255,27 +261,61 @@ class ShardCutter:
         self.records = self.tokens = 0
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """What one domain's shards are: written in `domain_dir`, each key in its dtype, cut at
+    `max_tokens_per_shard` tokens of `primary_key` (the ShardCutter rule), stored as
+    `storage_format`, numbered from `first_index`."""
+
+    domain_dir: Path
+    dtypes: dict[str, str]
+    primary_key: str
+    max_tokens_per_shard: int
+    storage_format: str = "bin"
+    first_index: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "domain_dir", Path(self.domain_dir))
+        if self.storage_format not in STORAGE_FORMATS:
+            raise ValueError(
+                f"storage_format {self.storage_format!r} is not one of {list(STORAGE_FORMATS)}"
+            )
+
+
+def shard_spec(*fields: Any, **named: Any) -> ShardSpec:
+    """A ShardSpec given whole, or made of its fields as ShardWriter has always taken them
+    (`domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format, first_index`)."""
+    if len(fields) == 1 and not named and isinstance(fields[0], ShardSpec):
+        return fields[0]
+    return ShardSpec(*fields, **named)
+
+
 class ShardWriter:
     """Writes the shards of one domain folder, rolling at max_tokens_per_shard tokens of primary_key
-    (the ShardCutter rule)."""
+    (the ShardCutter rule). Given a ShardSpec, or its fields."""
 
+    @overload
+    def __init__(self, spec: ShardSpec, /) -> None: ...
+
+    @overload
     def __init__(
         self,
-        domain_dir: Path,
+        domain_dir: Path | str,
         dtypes: dict[str, str],
         primary_key: str,
         max_tokens_per_shard: int,
         storage_format: str = "bin",
         first_index: int = 0,
-    ):
-        if storage_format not in STORAGE_FORMATS:
-            raise ValueError(
-                f"storage_format {storage_format!r} is not one of {list(STORAGE_FORMATS)}"
-            )
-        self.cutter = ShardCutter(max_tokens_per_shard)
-        self.domain_dir, self.primary_key = Path(domain_dir), primary_key
-        self.storage_format, self.index = storage_format, first_index
-        self.buffer = ShardBuffer(dtypes)  # the layout (keys, dtypes) and the record count
+    ) -> None: ...
+
+    def __init__(self, *fields: Any, **named: Any) -> None:
+        self.spec = spec = shard_spec(*fields, **named)
+        self.cutter = ShardCutter(spec.max_tokens_per_shard)
+        self.domain_dir = spec.domain_dir
+        self.primary_key = spec.primary_key
+        self.storage_format = spec.storage_format
+        self.index = spec.first_index  # the open shard's
+        self.buffer = ShardBuffer(spec.dtypes)  # the layout (keys, dtypes) and the record count
         self.staged: StagedShard | StagedPart | None = None  # the open shard's temp files
         self.published: list[dict] = []
         self.closed = False

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ from tokenmill import __version__
 from tokenmill.preprocess.config import OutputConfig
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.run.runlog import Summary
-from tokenmill.shards.format import RUN_DIR, Column
+from tokenmill.shards.format import RUN_DIR, Column, DocumentLengths, positions_mark_documents
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
+from tokenmill.shards.schema import ItemSchema, schema_of
 from tokenmill.shards.writer import ShardWriter
 from tokenmill.tools.megatron import paths, read_megatron, token_dtype, write_megatron
 
@@ -73,6 +75,21 @@ def shard_columns(shard: Path) -> dict[str, Column]:
     return map_shard(shard, read_meta(shard))
 
 
+def stored_schema(keys: Iterable[str]) -> ItemSchema | None:
+    """The item schema (shards/schema.py) of a dataset's stored rows, told by their keys: a
+    row's keys are its items' but for `sequence`, which seq and sft items hand out as
+    `input_ids` (and shifted, as targets); None for keys of no training type (a config's own
+    names)."""
+    names = ["input_ids" if key == "sequence" else key for key in keys]
+    try:
+        schema = schema_of(dict.fromkeys(names))
+    except KeyError:
+        return None
+    if "input_ids" not in schema.tokens:
+        return schema
+    return replace(schema, tokens={"sequence": schema.tokens["input_ids"]})
+
+
 # --- export to Megatron -------------------------------------------------------------------------
 def export_megatron(
     root: str | Path,
@@ -91,16 +108,18 @@ def export_megatron(
     """
     manifest, shards = dataset_shards(root)
     keys = list(read_meta(shards[0][1]))
-    if "sequence" not in keys:
+    schema = stored_schema(keys)
+    if schema is None or "sequence" not in schema.tokens:
         raise ValueError(
             f"{root}: no `sequence` key (keys: {', '.join(keys)}): Megatron's format holds one "
             "token stream, as seq and sft data have; export this one with --to hf"
         )
     dropped = [k for k in keys if k not in ("sequence", "position_ids", "doc_lengths")]
-    if "loss_mask" in keys:
+    mask = schema.tokens["sequence"]
+    if mask is not None:
         if not tokens_only:
             raise ValueError(
-                f"{root} has a loss_mask, which Megatron's .bin/.idx cannot hold: every token "
+                f"{root} has a {mask}, which Megatron's .bin/.idx cannot hold: every token "
                 "would train, prompts included. Pass --tokens-only to export the tokens anyway, "
                 "or export --to hf to keep the mask"
             )
@@ -111,8 +130,7 @@ def export_megatron(
         if path.exists() and not overwrite:
             raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
     make_parent(bin_path)
-    mode = ((manifest or {}).get("config") or {}).get("output", {}).get("position_ids_mode")
-    lengths, low, high = _document_lengths(shards, join=mode in (None, "doc_reset"))
+    lengths, low, high = _document_lengths(shards, positions_mark_documents(manifest))
     dtype = token_dtype(low, high)
     write_megatron(prefix, dtype, lengths, _tokens(shards))
     return {
@@ -125,54 +143,28 @@ def export_megatron(
     }
 
 
-def _document_lengths(shards: list[tuple[str, Path]], join: bool) -> tuple[np.ndarray, int, int]:
-    """Every document's length, in order, and the lowest and highest token id."""
+def _document_lengths(shards: list[tuple[str, Path]], marks: bool) -> tuple[np.ndarray, int, int]:
+    """Every document's length, in order (`DocumentLengths`, a domain at a time: documents
+    never run from one domain into the next), and the lowest and highest token id."""
     out: list[np.ndarray] = []
-    low, high = 0, 0
-    current: int | None = None  # the length so far of the document the last piece belongs to
-    last_position: int | None = None
+    low = 0
+    high = 0
+    documents: DocumentLengths | None = None
     domain: str | None = None
     for shard_domain, shard in shards:
-        if shard_domain != domain:  # documents never run from one domain into the next
-            if current is not None:
-                out.append(np.array([current]))
-            current, last_position, domain = None, None, shard_domain
+        if documents is None or shard_domain != domain:
+            if documents is not None:
+                out.append(documents.lengths())
+            documents = DocumentLengths(marks)
+            domain = shard_domain
         columns = shard_columns(shard)
-        sequence = columns["sequence"]
-        if len(sequence.values):
-            low = min(low, int(sequence.values.min()))
-            high = max(high, int(sequence.values.max()))
-        if "doc_lengths" in columns:
-            pieces = np.asarray(columns["doc_lengths"].values, dtype=np.int64)
-        elif sequence.offsets is not None:
-            pieces = np.diff(sequence.offsets)
-        else:  # a stream-only shard of the seed's format: one document
-            pieces = np.array([len(sequence.values)], dtype=np.int64)
-        if not len(pieces):
-            continue
-        opens = np.ones(len(pieces), dtype=bool)
-        positions = columns.get("position_ids")
-        if join and positions is not None and len(positions.values):
-            starts = np.concatenate([[0], np.cumsum(pieces)[:-1]])
-            first = np.asarray(positions.values[starts], dtype=np.int64)
-            before = np.asarray(positions.values[np.maximum(starts - 1, 0)], dtype=np.int64)
-            before[0] = -2 if last_position is None else last_position
-            opens = (first == 0) | (first != before + 1)
-            last_position = int(positions.values[-1])
-        if current is None:
-            opens[0] = True
-        starts_at = np.flatnonzero(opens)
-        head = int(pieces[: starts_at[0]].sum()) if len(starts_at) else int(pieces.sum())
-        if head:
-            current = (current or 0) + head
-        if len(starts_at):
-            if current is not None:
-                out.append(np.array([current]))
-            sums = np.add.reduceat(pieces, starts_at)
-            out.append(sums[:-1])
-            current = int(sums[-1])
-    if current is not None:
-        out.append(np.array([current]))
+        sequence = columns["sequence"].values
+        if len(sequence):
+            low = min(low, int(sequence.min()))
+            high = max(high, int(sequence.max()))
+        documents.add(columns)
+    if documents is not None:
+        out.append(documents.lengths())
     lengths = np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
     return lengths, low, high
 

@@ -16,9 +16,17 @@ import numpy as np
 
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.run.runlog import Summary
-from tokenmill.shards.format import Column, opens_document, primary_key, shard_records
+from tokenmill.shards.format import (
+    Column,
+    DocumentLengths,
+    positions_mark_documents,
+    primary_key,
+    shard_records,
+)
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
+from tokenmill.shards.schema import ItemSchema
+from tokenmill.tools.convert import stored_schema
 
 PERCENTILES = (50, 90, 99)
 
@@ -31,52 +39,48 @@ def _record_lengths(column: Column, stream_length: int) -> np.ndarray:
     return np.diff(bounds)
 
 
-def _documents(pieces: Column, positions: Column | None) -> np.ndarray:
-    """Document lengths from a shard's row pieces (`opens_document` joins the rest of a cut one)."""
-    lengths = np.asarray(pieces.values, dtype=np.int64)
-    if positions is None or not len(lengths):
-        return lengths
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    first = np.flatnonzero(opens_document(np.asarray(positions.values)[starts]))
-    return np.add.reduceat(lengths, first)
-
-
 def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
     keys: dict[str, dict[str, Any]] = {}
     lengths: dict[str, list[np.ndarray]] = {}
     groups: list[np.ndarray] = []
     rewards: list[np.ndarray] = []
     trained: dict[str, int] = {}
-    documents: list[np.ndarray] = []
+    documents = DocumentLengths(positions_mark_documents(manifest))
+    counted = False  # whether the shards hold documents (sequences), not records
+    schema: ItemSchema | None = None  # which keys hold tokens, masks and values
     rows = 0
     for shard in shards:
         meta = read_meta(shard)
         columns = map_shard(shard, meta)
         rows += shard_records(meta)
-        if "doc_lengths" in columns:
-            documents.append(_documents(columns.pop("doc_lengths"), columns.get("position_ids")))
-        elif "sequence" in columns:  # one document per row
-            documents.append(_record_lengths(columns["sequence"], len(columns["sequence"].values)))
+        schema = schema or stored_schema(meta)
+        grouped = schema if schema is not None and schema.grouped else None  # GRPO's
+        group_keys = list(grouped.tokens) if grouped else []  # a group of sequences per row
+        reward_keys = grouped.values if grouped else ()
+        if "doc_lengths" in columns or "sequence" in columns:
+            documents.add(columns)
+            counted = True
+        columns.pop("doc_lengths", None)  # boundaries, not tokens
         for key, column in columns.items():
             n = len(column.values)
             info = keys.setdefault(key, {"dtype": meta[key]["dtype"], "elements": 0})
             info["elements"] += n
-            if meta[key]["dtype"] == "bool":
+            if meta[key]["dtype"] == "bool":  # a mask (any config's): which tokens train
                 trained[key] = trained.get(key, 0) + int(np.count_nonzero(column.values))
-            elif key == "rewards":
+            elif key in reward_keys:
                 rewards.append(np.asarray(column.values, dtype=np.float64))
             else:
                 lengths.setdefault(key, []).append(_record_lengths(column, n))
-            if column.items is not None and column.offsets is not None and key != "masks":
+            if key in group_keys and column.items is not None and column.offsets is not None:
                 groups.append(np.diff(column.offsets))
-    docs = np.concatenate(documents) if documents else np.empty(0, np.int64)
+    docs = documents.lengths()
     out: dict[str, Any] = {
         "rows": rows,
-        "documents": len(docs) if documents else rows,
+        "documents": len(docs) if counted else rows,
         "shards": len(shards),
         "keys": {},
     }
-    if documents:
+    if counted:
         out["document_length"] = _percentiles(docs)
     for key, info in keys.items():
         row: dict[str, Any] = {"dtype": info["dtype"], "tokens": info["elements"]}
@@ -86,10 +90,12 @@ def domain_stats(shards: list[Path], manifest: dict | None) -> dict[str, Any]:
         if key in trained:
             row["trained_share"] = trained[key] / info["elements"] if info["elements"] else 0.0
         out["keys"][key] = row
-    if "loss_mask" in trained:
-        out["trained_share"] = out["keys"]["loss_mask"]["trained_share"]
-    if "chosen" in lengths and "rejected" in lengths:
-        gap = np.concatenate(lengths["chosen"]) - np.concatenate(lengths["rejected"])
+    stream_mask = schema.tokens.get("sequence") if schema is not None else None
+    if stream_mask in trained:  # the token stream's own mask: its share is the dataset's
+        out["trained_share"] = out["keys"][stream_mask]["trained_share"]
+    pair = list(schema.tokens) if schema is not None and schema.train_type == "dpo" else []
+    if pair and all(key in lengths for key in pair):
+        gap = np.concatenate(lengths[pair[0]]) - np.concatenate(lengths[pair[1]])
         out["dpo_length_gap"] = {
             "mean": float(gap.mean()),
             "mean_abs": float(np.abs(gap).mean()),
@@ -221,10 +227,13 @@ def plot_stats(root: str | Path, stats: dict[str, Any], path: str | Path) -> Non
     import matplotlib.pyplot as plt
 
     root = Path(root)
+    marks = positions_mark_documents(read_manifest(root))
     fig, (docs_ax, rows_ax, ax2) = plt.subplots(1, 3, figsize=(16, 4.5))
     for name in stats["domains"]:
         folder = root / name if name else root
-        docs, rows = [], []
+        documents = DocumentLengths(marks)
+        counted = False  # documents of sequences; else each row is one
+        rows = []
         for shard in find_shards(folder):
             if name == "" and shard.parent != root:
                 continue
@@ -232,15 +241,15 @@ def plot_stats(root: str | Path, stats: dict[str, Any], path: str | Path) -> Non
             columns = map_shard(shard, meta)
             key = primary_key(list(meta))
             rows.append(_record_lengths(columns[key], meta[key]["shape"][0]))
-            docs.append(
-                _documents(columns["doc_lengths"], columns.get("position_ids"))
-                if "doc_lengths" in columns
-                else rows[-1]
-            )
+            if "doc_lengths" in columns or "sequence" in columns:
+                documents.add(columns, key)
+                counted = True
         label = name or "(root)"
-        if docs:
-            docs_ax.hist(np.concatenate(docs), bins=50, alpha=0.6, label=label)
-            rows_ax.hist(np.concatenate(rows), bins=50, alpha=0.6, label=label)
+        if rows:
+            row_lengths = np.concatenate(rows)
+            docs = documents.lengths() if counted else row_lengths
+            docs_ax.hist(docs, bins=50, alpha=0.6, label=label)
+            rows_ax.hist(row_lengths, bins=50, alpha=0.6, label=label)
     docs_ax.set(
         title="document length (stored, after truncation)", xlabel="tokens", ylabel="documents"
     )

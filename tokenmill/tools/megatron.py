@@ -30,10 +30,15 @@ _FIXED = len(HEADER) + 8 + 1 + 8 + 8  # header, version, dtype code, two counts:
 
 # megatron-core's DType enum: code -> numpy dtype
 DTYPE_CODES: dict[int, np.dtype] = {
-    1: np.dtype(np.uint8), 2: np.dtype(np.int8), 3: np.dtype(np.int16), 4: np.dtype(np.int32),
-    5: np.dtype(np.int64), 6: np.dtype(np.float64), 7: np.dtype(np.float32),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
     8: np.dtype(np.uint16),
-}  # fmt: skip
+}
 
 
 def paths(prefix: str | Path) -> tuple[Path, Path]:

@@ -1,9 +1,10 @@
 """Choosing a dataset: `DatasetFactory` opens a path (format detected, store loaded) or wraps a
-store as the dataset of a training type."""
+store as the dataset of a training type; `StoreOptions` is how its store is opened."""
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,31 @@ DATASETS: dict[str, type[BaseDataset]] = {
     "kto": KTODataset,
     "grpo": GRPODataset,
 }
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How `DatasetFactory.load` opens a path's store: its windows (`window_size` tokens
+    every `stride`), its format (`storage_type`; None: detected), the tokenizer of the raw
+    JSONL route (`tokenizer_path`), what a shard's first read checks (`integrity`), and for a
+    URL the local cache (`cache_dir`, `cache_limit`) and fsspec's `storage_options`."""
+
+    window_size: int
+    stride: int | None = None
+    storage_type: str | None = None
+    tokenizer_path: str | Path | None = None
+    cache_dir: str | Path | None = None
+    cache_limit: int | str | None = None
+    storage_options: dict[str, Any] | None = None
+    integrity: str = "sizes"
+
+    def remote(self) -> dict[str, Any]:
+        """The options of a dataset at a URL, as the store takes them."""
+        return {
+            "cache_dir": self.cache_dir,
+            "cache_limit": self.cache_limit,
+            "storage_options": self.storage_options,
+        }
 
 
 def _dataset_class(train_type: str) -> type[BaseDataset]:
@@ -76,32 +102,27 @@ class DatasetFactory:
         (offsets, items and document lengths, O(records)) or "full" (every checksum,
         O(bytes))."""
         _dataset_class(train_type)
-        remote = {
-            "cache_dir": cache_dir,
-            "cache_limit": cache_limit,
-            "storage_options": storage_options,
-        }
         if store is None:
-            store = _load_store(
-                train_type, load_path, window_size, stride, storage_type, tokenizer_path, remote,
-                integrity,
-            )  # fmt: skip
+            options = StoreOptions(
+                window_size=window_size,
+                stride=stride,
+                storage_type=storage_type,
+                tokenizer_path=tokenizer_path,
+                cache_dir=cache_dir,
+                cache_limit=cache_limit,
+                storage_options=storage_options,
+                integrity=integrity,
+            )
+            store = _load_store(train_type, load_path, options)
         dataset = DatasetFactory.create(train_type, store, max_len=max_len, sample=sample)
         if tokenizer_path is not None:
             _warn_other_tokenizer(dataset, load_path, tokenizer_path)
         return dataset
 
 
-def _load_store(
-    train_type: str,
-    load_path: str | Path,
-    window_size: int,
-    stride: int | None,
-    storage_type: str | None,
-    tokenizer_path: str | Path | None,
-    remote: dict[str, Any],
-    integrity: str = "sizes",
-) -> Any:
+def _load_store(train_type: str, load_path: str | Path, options: StoreOptions) -> Any:
+    storage_type = options.storage_type
+    tokenizer_path = options.tokenizer_path
     if is_url(load_path):
         if storage_type not in (None, "bin"):
             raise ValueError(
@@ -109,19 +130,23 @@ def _load_store(
                 f"not {storage_type!r}"
             )
         store = StoreFactory.create(
-            "bin", window_size=window_size, stride=stride, integrity=integrity, **remote
+            "bin",
+            window_size=options.window_size,
+            stride=options.stride,
+            integrity=options.integrity,
+            **options.remote(),
         )
         return store.load(str(load_path))
-    given = sorted(k for k, v in remote.items() if v is not None)
+    given = sorted(k for k, v in options.remote().items() if v is not None)
     if given:
         raise ValueError(f"{load_path}: {', '.join(given)} are for a dataset at a URL (s3://...)")
     if storage_type is None:
         storage_type = detect_format(load_path)
-    shard_options = {"integrity": integrity} if storage_type == "bin" else {}
-    if integrity != "sizes" and not shard_options:
+    shard_options = {"integrity": options.integrity} if storage_type == "bin" else {}
+    if options.integrity != "sizes" and not shard_options:
         raise ValueError(f"{load_path}: integrity= is for bin shards, not {storage_type!r}")
     store = StoreFactory.create(
-        storage_type, window_size=window_size, stride=stride, **shard_options
+        storage_type, window_size=options.window_size, stride=options.stride, **shard_options
     )
     written = Path(load_path).is_dir() and read_manifest(Path(load_path)) is not None
     if storage_type != "jsonl" or written:  # shards, or JSONL the pipeline already tokenized

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from tokenmill.shards.format import opens_document
+from tokenmill.shards.format import NO_POSITION, opens_document, positions_mark_documents
 from tokenmill.training.store import Store
 from tokenmill.training.windows import WindowBatch
 
@@ -104,7 +104,9 @@ class _StreamDataset(BaseDataset):
         """Items `indices` as one WindowBatch: `tensors()` of it equals their default collation."""
         if not self.fixed_windows:
             raise ValueError(f"{type(self).__name__} items vary in length: read them one by one")
-        n, step, size = len(self), self.store.stride, self.store.window_size
+        n = len(self)
+        step = self.store.stride
+        size = self.store.window_size
         at = np.asarray(indices, dtype=np.int64)
         if len(at) and not (at.min() >= -n and at.max() < n):
             raise IndexError(f"an index of {indices} is out of range for {n} items")
@@ -220,9 +222,11 @@ class SFTDataset(_StreamDataset):
                 )
 
     def _rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's start in the token stream and its length; every row must open a
+        document (`opens_document`)."""
         lengths = np.asarray(self.store.record_lengths("sequence"), dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        inside = np.count_nonzero(self.store.gather("position_ids", starts)) if len(starts) else 0
+        inside = int(np.count_nonzero(~self._opens(starts))) if self._marks() else 0
         if inside:
             raise ValueError(
                 f"{inside} rows start inside a document (the config split documents across "
@@ -231,28 +235,47 @@ class SFTDataset(_StreamDataset):
         return starts, lengths
 
     def _documents(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each document's start in the token stream and its length: from the rows' stored
-        `doc_lengths` (`opens_document` joins a piece to the document it goes on with), or,
-        in shards written before rows stored them, where positions restart at 0."""
+        """Each document's start in the token stream and its length, by `opens_document`: the
+        rows' stored `doc_lengths` pieces, joined where a piece goes on with the one before it;
+        in shards written before rows stored them, each token a piece (positions tell)."""
         if "doc_lengths" not in self.store.keys:
             positions = self.store.fetch_arrays(0, self.store.token_count, ["position_ids"])
-            starts = np.flatnonzero(positions["position_ids"] == 0).astype(np.int64)
+            positions = positions["position_ids"]
+            inner = np.flatnonzero(opens_document(positions[1:], positions[:-1])) + 1
+            starts = np.concatenate([[0] if len(positions) else [], inner]).astype(np.int64)
         else:
             total = int(np.asarray(self.store.record_lengths("doc_lengths")).sum())
             pieces = self.store.fetch(0, total, "doc_lengths").numpy().astype(np.int64)
             piece_starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(np.int64)
-            first = self.store.gather("position_ids", piece_starts)
-            before = self.store.gather("position_ids", np.maximum(piece_starts - 1, 0))
-            goes_on = ~opens_document(first)
-            apart = goes_on & (first != before + 1)
-            if apart.any():
-                raise ValueError(
-                    f"{int(apart.sum())} documents were split into pieces that are not next to "
-                    "each other (packing bfd_split); use sample='row' or sample='window'"
-                )
-            starts = piece_starts[~goes_on]
+            if self._marks():
+                opens = self._opens(piece_starts)
+                # a piece that opens a document but not at position 0: the rest of one that
+                # bfd_split placed apart from its start
+                apart = opens & (self.store.gather("position_ids", piece_starts) != 0)
+                apart[:1] = False
+                if apart.any():
+                    raise ValueError(
+                        f"{int(apart.sum())} documents were split into pieces that are not next "
+                        "to each other (packing bfd_split); use sample='row' or sample='window'"
+                    )
+                piece_starts = piece_starts[opens]
+            starts = piece_starts
         ends = np.append(starts[1:], int(self.store.token_count))
         return starts, ends - starts
+
+    def _opens(self, starts: np.ndarray) -> np.ndarray:
+        """Which pieces of the token stream that start at `starts` open a document."""
+        if not len(starts):
+            return np.zeros(0, dtype=bool)
+        first = self.store.gather("position_ids", starts)
+        before = np.asarray(self.store.gather("position_ids", np.maximum(starts - 1, 0)), np.int64)
+        before[0] = NO_POSITION
+        return opens_document(first, before)
+
+    def _marks(self) -> bool:
+        """Whether the store's positions tell its documents apart (`positions_mark_documents`)."""
+        manifest = getattr(self.store, "manifest", None)
+        return positions_mark_documents(manifest if isinstance(manifest, dict) else None)
 
     def __len__(self) -> int:
         return super().__len__() if self.sample == "window" else len(self._lengths)

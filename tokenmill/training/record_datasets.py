@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenmill.shards.schema import ITEMS
 from tokenmill.training.datasets import BaseDataset
 
 
@@ -48,7 +49,8 @@ class RecordDataset(BaseDataset):
         return self._measure(self[index])
 
     def _measure(self, item: dict[str, Any]) -> int:
-        raise NotImplementedError
+        """Tokens of an item read whole (a lazy store has no offsets): the item schema's count."""
+        return ITEMS[self.train_type].token_count(item)
 
     def _data_identity(self) -> str:
         lengths = self._all_lengths()
@@ -63,7 +65,7 @@ class DPODataset(RecordDataset):
 
     train_type = "dpo"
     keys = ("chosen", "rejected", "chosen_mask", "rejected_mask")
-    length_keys = ("chosen", "rejected")
+    length_keys = tuple(ITEMS["dpo"].token_keys)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         record = self._record(index)
@@ -76,9 +78,6 @@ class DPODataset(RecordDataset):
     def _capped(self, lengths: np.ndarray) -> np.ndarray:
         return np.minimum(lengths, self.max_len)
 
-    def _measure(self, item: dict[str, Any]) -> int:
-        return len(item["chosen"]) + len(item["rejected"])
-
 
 class KTODataset(RecordDataset):
     """Unpaired preference data (TRL's KTO): `completion` (the prompt and the reply as one
@@ -87,7 +86,7 @@ class KTODataset(RecordDataset):
 
     train_type = "kto"
     keys = ("completion", "completion_mask", "label")
-    length_keys = ("completion",)
+    length_keys = tuple(ITEMS["kto"].token_keys)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         record = self._record(index)
@@ -100,9 +99,6 @@ class KTODataset(RecordDataset):
     def _capped(self, lengths: np.ndarray) -> np.ndarray:
         return np.minimum(lengths, self.max_len)
 
-    def _measure(self, item: dict[str, Any]) -> int:
-        return len(item["completion"])
-
 
 class GRPODataset(RecordDataset):
     """GRPO groups: one prompt, a list of responses with their masks, and one reward per
@@ -111,7 +107,7 @@ class GRPODataset(RecordDataset):
 
     train_type = "grpo"
     keys = ("prompts",)
-    length_keys: tuple[str, ...] = ("prompts", "responses")
+    length_keys: tuple[str, ...] = tuple(ITEMS["grpo"].token_keys)  # prompts, responses
 
     def __init__(self, store: Any, max_len: int = 2048) -> None:
         super().__init__(store, max_len)
@@ -140,6 +136,3 @@ class GRPODataset(RecordDataset):
 
     def _cut_params(self) -> str:
         return "untruncated"
-
-    def _measure(self, item: dict[str, Any]) -> int:
-        return len(item["prompts"]) + sum(len(r) for r in item.get("responses", []))

@@ -32,7 +32,8 @@ def content_starts(
     """Where each message's span starts, from where its content sits in the rendering: located
     through the template's own text around marker contents, or searched for."""
     shape = render.shape(messages)  # what the marker renderings below depend on, with these:
-    prompt, trained = add_generation_prompt, tuple(actions)
+    prompt = add_generation_prompt
+    trained = tuple(actions)
     glue = render.by_shape(
         shape, ("glue", prompt), lambda: _marker_glue(render, messages, add_generation_prompt)
     )
@@ -247,7 +248,8 @@ def _first_header_start(
     and its content); when none exists, or the preamble does not end with it, the whole preamble
     belongs to message 0.
     """
-    role, content_start = messages[0].get("role"), located[0][0]
+    role = messages[0].get("role")
+    content_start = located[0][0]
     for k in range(1, len(messages)):
         header = text[starts[k] : located[k][0]]
         if messages[k].get("role") == role and header and text[:content_start].endswith(header):
@@ -291,7 +293,8 @@ def _locate_by_glue(
     """
     if not text.startswith(glue[0]):
         return None
-    pos, located = len(glue[0]), []
+    pos = len(glue[0])
+    located = []
     for k, message in enumerate(messages):
         content = message.get("content")
         form = content if isinstance(content, str) else ""

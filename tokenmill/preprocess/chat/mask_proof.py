@@ -47,7 +47,8 @@ def message_items(message: dict) -> list[Item]:
     content = content if isinstance(content, str) else ""
     reasoning = next((message[f] for f in REASONING_FIELDS if message.get(f) is not None), None)
     if "</think>" in content and reasoning is None:
-        head, content = content.split("</think>", 1)[0], content.split("</think>")[-1]
+        head = content.split("</think>", 1)[0]
+        content = content.split("</think>")[-1]
         reasoning = head.split("<think>")[-1]
     if isinstance(reasoning, str) and reasoning.strip():
         items.append(("reasoning", _forms(reasoning)))

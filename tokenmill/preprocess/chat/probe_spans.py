@@ -126,7 +126,8 @@ def assistant_header(render: Renderer) -> str:
         after, before = probe.find(marks[0]), probe.find(marks[1])
         if after < 0 or before < after or not opened.startswith(closed):
             return ""
-        glue, prompt = probe[after + len(marks[0]) : before], opened[len(closed) :]
+        glue = probe[after + len(marks[0]) : before]
+        prompt = opened[len(closed) :]
         return next((glue[i:] for i in range(len(glue)) if prompt.startswith(glue[i:])), "")
 
     return render.by_shape("assistant header", "header", compute)
@@ -172,7 +173,8 @@ def anchored_starts(
 
 def _all(text: str, sub: str, start: int, end: int) -> list[int]:
     """Every place `sub` starts in text[start:end]."""
-    found, at = [], text.find(sub, start, end)
+    found = []
+    at = text.find(sub, start, end)
     while at >= 0:
         found.append(at)
         at = text.find(sub, at + 1, end)

@@ -97,9 +97,17 @@ def masked_rendering(
     span_starts = _probed_starts(render, bundle, messages, actions, text, prompt_start, offsets)
     span_starts = _past_end_of_turn(span_starts, text, bundle.eos_token, opener)
     proven = Proven(
-        text, messages, items, actions, prompt_start, offsets, header, opener, bundle.eos_token,
+        text,
+        messages,
+        items,
+        actions,
+        prompt_start,
+        offsets,
+        header,
+        opener,
+        bundle.eos_token,
         train_spans == "turn",
-    )  # fmt: skip
+    )
     try:
         mask = _proven_mask(span_starts, proven)
     except MaskUnproven:

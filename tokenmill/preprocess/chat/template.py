@@ -309,7 +309,9 @@ class Renderer:
         tools: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ):
-        self.bundle, self.tools, self.template_kwargs = bundle, tools, template_kwargs or {}
+        self.bundle = bundle
+        self.tools = tools
+        self.template_kwargs = template_kwargs or {}
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return render_text(

@@ -119,7 +119,8 @@ def encode_offsets(bundle: TokenizerBundle, text: str) -> TokenOffsets:
     this text as it is in any Unicode version (`is_stable`), and the bytes add up to the text's
     (no prefix space was added); from the tokenizer's offsets otherwise. Both give the same
     ids and positions (tests hold them equal)."""
-    tokenizer, table = bundle.tokenizer, added_table(bundle.tokenizer)
+    tokenizer = bundle.tokenizer
+    table = added_table(tokenizer)
     lengths, form = _byte_level(tokenizer)
     if lengths is not None and tokenizer_threads_are_off() and is_stable(form, text):
         derived = _derived(tokenizer, table, lengths, text)
@@ -134,7 +135,8 @@ def encode_offsets_batch(bundle: TokenizerBundle, texts: list[str]) -> list[Toke
     """`encode_offsets` of each text whose positions come from its ids' byte lengths, all in
     one batched encode (the tokenizer lets go of the GIL once, not once per text: a chunk's
     threads wait less for each other); None for the others, which `encode_offsets` encodes."""
-    tokenizer, table = bundle.tokenizer, added_table(bundle.tokenizer)
+    tokenizer = bundle.tokenizer
+    table = added_table(tokenizer)
     lengths, form = _byte_level(tokenizer)
     out: list[TokenOffsets | None] = [None] * len(texts)
     if lengths is None or not tokenizer_threads_are_off():
@@ -199,7 +201,8 @@ def _positions(
 def _kept(last: TokenOffsets, text: str) -> int:
     """How many of `last`'s tokens `text` has too: those before the last added token that
     both texts have whole at the same place (0 if none but the first)."""
-    tokens, start = np.flatnonzero(last.is_control), last.text
+    tokens = np.flatnonzero(last.is_control)
+    start = last.text
     ends = last.ends[tokens].tolist()
     low, high = 0, len(tokens)  # how many added tokens the texts share, by bisection
     while low < high:
@@ -217,7 +220,8 @@ def _byte_level(tokenizer: tokenizers.Tokenizer) -> tuple[np.ndarray | None, For
     of a byte-level BPE tokenizer, where every vocabulary token is written in the byte-level
     alphabet (a character per byte) but the added tokens; (None, "") for any other tokenizer."""
     form = normal_form(tokenizer)
-    decoder, added = tokenizer.decoder, tokenizer.get_added_tokens_decoder()
+    decoder = tokenizer.decoder
+    added = tokenizer.get_added_tokens_decoder()
     if (
         form is None
         or not isinstance(tokenizer.model, tokenizers.models.BPE)
@@ -278,7 +282,8 @@ def _sets(component: Any, option: str) -> bool:
 @cache
 def added_table(tokenizer: tokenizers.Tokenizer) -> np.ndarray:
     """Lookup table id -> is an added token, for every id the tokenizer gives."""
-    added, lengths = _added_ids(tokenizer), _byte_level(tokenizer)[0]
+    added = _added_ids(tokenizer)
+    lengths = _byte_level(tokenizer)[0]
     if lengths is not None:  # it has every id already
         size = len(lengths)
     else:

@@ -26,7 +26,15 @@ import tokenizers
 Form = Literal["", "NFC", "NFD", "NFKC", "NFKD"]  # "": no normalizer
 
 # The named special tokens a template can read, as transformers passes them.
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")  # fmt: skip
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 
 @dataclass(frozen=True)
@@ -236,7 +244,8 @@ def encode_fast(
 ) -> list[tokenizers.Encoding]:
     """`encode_batch_fast` (no offsets), with each text its normalizer leaves as it is encoded
     without it (`unnormalized`): the same ids, in the same order."""
-    plain, form = unnormalized(tokenizer), normal_form(tokenizer)
+    plain = unnormalized(tokenizer)
+    form = normal_form(tokenizer)
     if plain is tokenizer or not form:
         return tokenizer.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
     stable = [is_stable(form, text) for text in texts]

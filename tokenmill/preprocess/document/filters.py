@@ -9,7 +9,8 @@ anything is rendered (a 50 MB record is never tokenized), and on the rendered te
 from __future__ import annotations
 
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.inputs.records import Record, RecordError
+from tokenmill.preprocess.inputs.fields import record_error
+from tokenmill.preprocess.inputs.records import Record
 
 # Reasons that are filters (the record is fine, the config excludes it): always counted, never fatal.
 FILTER_REASONS = ("too_short", "too_long", "no_trained_tokens", "identical_pair")
@@ -17,10 +18,8 @@ FILTER_REASONS = ("too_short", "too_long", "no_trained_tokens", "identical_pair"
 
 def raw_chars(record: Record, config: PipelineConfig) -> int:
     """The characters of the record's text fields, counted without rendering anything."""
-    sections = [*config.input.sections]
-    sections += [s for src in (config.input.sources or {}).values() for s in src.sections]
     total = 0
-    for section in sections:
+    for section in config.all_sections():
         value = record.data.get(section.field) if "." not in section.field else None
         items = value if isinstance(value, list) else [value]
         for item in items:
@@ -41,18 +40,8 @@ def check_chars(record: Record, config: PipelineConfig, chars: int, raw: int | N
         if chars <= pre.max_chars:
             return
     if chars < pre.min_chars:
-        raise RecordError(
-            record.source,
-            record.line,
-            None,
-            f"{chars} characters, fewer than min_chars={pre.min_chars}",
-            "too_short",
-        )
+        message = f"{chars} characters, fewer than min_chars={pre.min_chars}"
+        raise record_error(record, None, message, "too_short")
     if chars > pre.max_chars:
-        raise RecordError(
-            record.source,
-            record.line,
-            None,
-            f"{chars} characters, more than max_chars={pre.max_chars}",
-            "too_long",
-        )
+        message = f"{chars} characters, more than max_chars={pre.max_chars}"
+        raise record_error(record, None, message, "too_long")

@@ -1,12 +1,15 @@
 """The output layout of a config: which keys it writes, their dtypes, which hold tokens.
 
 Depends on the config alone (no tokenizer): the pipeline, the writers, the ledger and the
-stores all ask it what a record of this config becomes.
+stores all ask it what a record of this config becomes; `row_schema` gives its stored rows'
+keys as the item schema (shards/schema.py) reads them, so a run counts the tokens and trained
+tokens of its rows by the schema's rule.
 """
 
 from __future__ import annotations
 
 from tokenmill.preprocess.config import PipelineConfig, Section
+from tokenmill.shards.schema import ItemSchema
 
 
 def key_dtype(key: str, config: PipelineConfig, value_keys: set[str]) -> str:
@@ -21,7 +24,7 @@ def key_dtype(key: str, config: PipelineConfig, value_keys: set[str]) -> str:
 
 
 class OutputLayout:
-    """What a config writes: `RecordMasker` is one, with the tokenizer that fills it."""
+    """What a config writes (a RecordMasker holds one, as `layout`)."""
 
     def __init__(self, config: PipelineConfig):
         self.config = config
@@ -61,12 +64,29 @@ class OutputLayout:
             return ["sequence"]
         return [k for k in self.config.input.sources or {} if k not in self.value_keys()]
 
-    def mask_keys(self) -> list[str]:
-        """The keys that say which tokens train; none when every token trains."""
+    def row_schema(self) -> ItemSchema:
+        """A stored row's keys as an ItemSchema: each token key with its mask. Rows are not
+        items: their keys are the config's (`sequence` where a dataset item has `input_ids`,
+        any source's name), so the schema is made here, not looked up in ITEMS. Once any key
+        has a mask, a row trains its masks' True values only: a token key without a mask is
+        then context (a GRPO prompt), as the run's trained tokens have always counted it;
+        where no key has one, every token trains."""
+        masks = {key: self.mask_key(key) for key in self.token_keys()}
+        masked = any(masks.values())
+        sources = self.config.input.sources or {}
+        return ItemSchema(
+            "row",
+            {key: mask for key, mask in masks.items() if mask or not masked},
+            context=tuple(key for key, mask in masks.items() if masked and not mask),
+            values=tuple(key for key in sources if key in self.value_keys()),
+            grouped=any(source.list_field for source in sources.values()),
+        )
+
+    def mask_key(self, key: str) -> str | None:
+        """The key of the mask of token key `key`; None when every token of it trains."""
         if not self.config.multi_output:
-            return ["loss_mask"] if self.single_needs_mask() else []
-        keys = [self.source_mask_key(k) for k in self.config.input.sources or {}]
-        return [k for k in keys if k]
+            return "loss_mask" if self.single_needs_mask() else None
+        return self.source_mask_key(key)
 
     def single_needs_mask(self) -> bool:
         return needs_mask(self.config.input.sections)

@@ -1,10 +1,14 @@
-"""One record -> one document: its output arrays (tokens, loss masks, values), as the config says.
+"""Masking: one record -> one document, its output arrays (tokens, loss masks, values), as the
+config says.
 
 Sits between records.py and fields.py (raw JSON, checked fields) and packing: everything a
 trainer will learn from is decided here (which tokens train, what a too-long record keeps),
 so every rule is explicit, every bad record raises a RecordError naming file, line and
-field, and every token rendered or cut is tallied for the ledger. Its sections are made into
-parts by parts.py; here the parts become the document's sequences, groups and values."""
+field, and every token rendered or cut is tallied for the ledger. `RecordMasker` holds the
+config's `OutputLayout` (layout.py: the keys it writes) and a `PartMaker` (parts.py: its
+sections made into parts); here the parts become the document's sequences, groups and
+values.
+"""
 
 from __future__ import annotations
 
@@ -16,24 +20,41 @@ from tokenmill.preprocess.chat.tokenizer import TokenizerBundle
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.document.filters import check_chars, raw_chars
 from tokenmill.preprocess.document.layout import OutputLayout, can_train
-from tokenmill.preprocess.document.parts import PartMaker, present
+from tokenmill.preprocess.document.parts import MadeAhead, PartMaker, present
 from tokenmill.preprocess.document.preference import is_standard, with_shared_prompt
 from tokenmill.preprocess.document.truncation import Part, fit, resolve, shared_turns
 from tokenmill.preprocess.inputs.columns import remap
-from tokenmill.preprocess.inputs.fields import get_field, get_values
+from tokenmill.preprocess.inputs.fields import get_field, get_values, record_error
 from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.ledger import Tally
 
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
 
 
-class RecordMasker(OutputLayout, PartMaker):
-    """Turns record dicts into output arrays for one config (its layout) and tokenizer."""
+class RecordMasker:
+    """Turns record dicts into output arrays for one config and tokenizer: `layout` says what
+    a record becomes (keys, dtypes), `parts` makes its sections' tokens and masks, `bundle`
+    is the tokenizer they are made with (the config's chat template in it)."""
 
     def __init__(self, config: PipelineConfig, bundle: TokenizerBundle):
-        OutputLayout.__init__(self, config)
-        PartMaker.__init__(self, config, bundle)
-        self._dtypes = self.dtypes()
+        self.config = config
+        self.layout = OutputLayout(config)
+        self.parts = PartMaker(config, bundle)
+        self.bundle = self.parts.bundle
+        self._dtypes = self.layout.dtypes()
+
+    def dtypes(self) -> dict[str, str]:
+        """The stored dtype of each output key (the layout's)."""
+        return self.layout.dtypes()
+
+    def primary_key(self) -> str:
+        """The key shards are cut by (the layout's)."""
+        return self.layout.primary_key()
+
+    def take_ahead(self, ahead: MadeAhead) -> None:
+        """What a chunk encoded and rendered ahead for its records (chunks.py), each taken once
+        by its record's own pass."""
+        self.parts.take_ahead(ahead)
 
     # --- processing ----------------------------------------------------------------------
     def process(
@@ -45,9 +66,7 @@ class RecordMasker(OutputLayout, PartMaker):
     def process_counted(self, record: Record) -> tuple[DocumentArrays, Tally]:
         """The record's arrays and its tally; a RecordError carries the tokens rendered so far."""
         if not isinstance(record.data, dict):
-            raise RecordError(
-                record.source, record.line, None, "expected a JSON object", "not_object"
-            )
+            raise record_error(record, None, "expected a JSON object", "not_object")
         record = remap(record, self.config.input)
         tally = Tally()
         try:
@@ -56,10 +75,8 @@ class RecordMasker(OutputLayout, PartMaker):
             try:
                 out = self._outputs(record, tally)
             except RecordError as err:
-                if err.reason == "no_trained_tokens":
-                    check_chars(
-                        record, self.config, tally.chars
-                    )  # a filtered record counts as filtered
+                if err.reason == "no_trained_tokens":  # a filtered record counts as filtered
+                    check_chars(record, self.config, tally.chars)
                 raise
             check_chars(record, self.config, tally.chars)
         except RecordError as err:
@@ -68,24 +85,22 @@ class RecordMasker(OutputLayout, PartMaker):
         return out, tally
 
     def _outputs(self, record: Record, tally: Tally) -> DocumentArrays:
-        if not self.config.multi_output:
-            sections = self.config.input.sections
-            ids, mask = self._fit(record, sections, self._sections(record, sections, tally), tally)
-            out: DocumentArrays = {"sequence": ids}
-            if self.single_needs_mask():
-                out["loss_mask"] = mask
-            if can_train(self.config.input.sections) and not mask.any():
-                raise RecordError(
-                    record.source,
-                    record.line,
-                    self.config.input.sections[0].field,
-                    "no token is trained after masking and truncation",
-                    "no_trained_tokens",
-                )
-            if self.config.output.position_ids_mode != "none":
-                out["position_ids"] = np.arange(len(ids), dtype=np.int32)
-        else:
-            out = self._sources(record, tally)
+        if self.config.multi_output:
+            return self._sources(record, tally)
+        sections = self.config.input.sections
+        ids, mask = self._fit(record, sections, self.parts.sections(record, sections, tally), tally)
+        out: DocumentArrays = {"sequence": ids}
+        if self.layout.single_needs_mask():
+            out["loss_mask"] = mask
+        if can_train(sections) and not mask.any():
+            raise record_error(
+                record,
+                sections[0].field,
+                "no token is trained after masking and truncation",
+                "no_trained_tokens",
+            )
+        if self.config.output.position_ids_mode != "none":
+            out["position_ids"] = np.arange(len(ids), dtype=np.int32)
         return out
 
     def _sources(self, record: Record, tally: Tally) -> DocumentArrays:
@@ -95,13 +110,13 @@ class RecordMasker(OutputLayout, PartMaker):
         values: dict[str, np.ndarray] = {}
         untrained: RecordError | None = None  # raised once every source is rendered (the ledger)
         rendered = {
-            key: self._sections(record, sections, tally)
+            key: self.parts.sections(record, sections, tally)
             for key, sections in self._joined_sources(record).items()
         }
         rendered = self._shared_turns(record, rendered, tally)
         for key, source in (self.config.input.sources or {}).items():
             section = source.sections[0]
-            mask_key = self.source_mask_key(key)
+            mask_key = self.layout.source_mask_key(key)
             if not present(record, source.sections):
                 continue  # e.g. GRPO prompts without responses yet: prompts for online generation
             if section.action == "value":
@@ -111,22 +126,20 @@ class RecordMasker(OutputLayout, PartMaker):
             if source.list_field:
                 items = get_field(record, section.field)
                 if not isinstance(items, list):
-                    raise RecordError(
-                        record.source,
-                        record.line,
-                        section.field,
-                        f"expected a list, got {type(items).__name__}",
-                        "wrong_type",
+                    raise record_error(
+                        record, section.field, f"expected a list, got {type(items).__name__}"
                     )
                 if not items:
-                    raise RecordError(
-                        record.source, record.line, section.field, "empty group", "empty"
-                    )
+                    raise record_error(record, section.field, "empty group", "empty")
                 pairs = [
                     self._fit(
                         record,
                         source.sections,
-                        [self._one(record, section, f"{section.field}[{j}]", item, True, tally)],
+                        [
+                            self.parts.one(
+                                record, section, f"{section.field}[{j}]", item, True, tally
+                            )
+                        ],
                         tally,
                     )
                     for j, item in enumerate(items)
@@ -134,24 +147,18 @@ class RecordMasker(OutputLayout, PartMaker):
                 out[key] = [ids for ids, _ in pairs]
                 masks = [mask for _, mask in pairs]
                 if can_train(source.sections) and not all(m.any() for m in masks):
-                    untrained = untrained or RecordError(
-                        record.source,
-                        record.line,
-                        section.field,
-                        "an item trains no token",
-                        "no_trained_tokens",
+                    untrained = untrained or record_error(
+                        record, section.field, "an item trains no token", "no_trained_tokens"
                     )
                 if mask_key:
                     out[mask_key] = masks
                 group_sizes[key] = len(items)
             else:
-                parts = rendered[key]
-                ids, mask = self._fit(record, source.sections, parts, tally)
+                ids, mask = self._fit(record, source.sections, rendered[key], tally)
                 out[key] = ids
                 if can_train(source.sections) and not mask.any():
-                    untrained = untrained or RecordError(
-                        record.source,
-                        record.line,
+                    untrained = untrained or record_error(
+                        record,
                         source.sections[0].field,
                         "no token is trained after masking and truncation",
                         "no_trained_tokens",
@@ -161,9 +168,8 @@ class RecordMasker(OutputLayout, PartMaker):
         for vkey, vals in values.items():
             for gkey, size in group_sizes.items():
                 if len(vals) != size:
-                    raise RecordError(
-                        record.source,
-                        record.line,
+                    raise record_error(
+                        record,
                         vkey,
                         f"{len(vals)} values for {size} items of {gkey!r}",
                         "bad_value",
@@ -171,9 +177,8 @@ class RecordMasker(OutputLayout, PartMaker):
         if untrained is not None:
             raise untrained
         if "chosen" in out and "rejected" in out and np.array_equal(out["chosen"], out["rejected"]):
-            raise RecordError(
-                record.source,
-                record.line,
+            raise record_error(
+                record,
                 "rejected",
                 "chosen and rejected are the same tokens: the pair teaches nothing",
                 "identical_pair",
@@ -203,18 +208,18 @@ class RecordMasker(OutputLayout, PartMaker):
             if is_standard(record, self.config):
                 return []
             groups = list(self._joined_sources(record).values())
-        tally, parts = Tally(), []  # the record's own pass counts what it renders
+        tally = Tally()  # the record's own pass counts what it renders
+        parts = []
         for sections in groups:
             chats = present(record, sections)
             if not chats or not all(s.template for s in chats):
                 return []
             first = chats[0]
-            chat = self._chat(
-                record, first, first.field, get_field(record, first.field), True, tally
-            )
+            value = get_field(record, first.field)
+            chat = self.parts.chat(record, first, first.field, value, True, tally)
             for section in chats[1:]:
                 value = get_field(record, section.field)
-                chat = self._continue_chat(record, chat, section, value, tally)
+                chat = self.parts.continue_chat(record, chat, section, value, tally)
             parts.append(chat)
         return parts
 
@@ -228,10 +233,15 @@ class RecordMasker(OutputLayout, PartMaker):
     ) -> tuple[np.ndarray, np.ndarray]:
         """The parts joined and cut to max_seq_len by the sections' policy; cuts are tallied."""
         return fit(
-            parts, self.config.preprocessing.max_seq_len, self.truncation(sections),
-            can_train(sections), self.bundle.bos_id, self._rerender(record), tally,
-            self.header_ids,
-        )  # fmt: skip
+            parts,
+            self.config.preprocessing.max_seq_len,
+            self.truncation(sections),
+            can_train(sections),
+            self.bundle.bos_id,
+            self._rerender(record),
+            tally,
+            self.parts.header_ids,
+        )
 
     def _shared_turns(
         self, record: Record, rendered: dict[str, list[Part]], tally: Tally
@@ -248,10 +258,4 @@ class RecordMasker(OutputLayout, PartMaker):
         return shared_turns(rendered, len(prompt), limit, self._rerender(record), tally)
 
     def _rerender(self, record: Record) -> Callable[[Part, list[int]], Part]:
-        return lambda part, kept: self._with_messages(record, part, kept)
-
-    def _with_messages(self, record: Record, part: Part, kept: list[int]) -> Part:
-        messages = [(part.messages or [])[i] for i in kept]
-        actions = [(part.actions or [])[i] for i in kept]
-        ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
-        return Part(part.section, part.field, part.first, ids, mask, messages, actions)
+        return lambda part, kept: self.parts.with_messages(record, part, kept)

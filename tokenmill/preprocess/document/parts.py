@@ -1,14 +1,15 @@
-"""A record's sections made into parts (truncation.Part): each chat section's messages checked
-and rendered as one conversation with those that continue it, each text encoded, one BOS per
-record and each section's EOS, every character and token tallied.
+"""Parts: a record's sections made into parts (truncation.Part), each chat section's messages
+checked and rendered as one conversation with those that continue it, each text encoded, one
+BOS per record and each section's EOS, every character and token tallied.
 
-RecordMasker (masking.py) joins the parts into a document; a chunk renders its conversations
-ahead in one batch (chunks.py's `render_ahead`), and a part takes its rendering from there
-where one was made (`rendered`)."""
+`PartMaker` is what RecordMasker (masking.py) holds to make them. A chunk encodes its texts
+and renders its conversations ahead in one batch (chunks.py) and hands them to the masker as
+a `MadeAhead`; a part takes its ids or rendering from there where one was made.
+"""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jinja2
@@ -24,13 +25,50 @@ from tokenmill.preprocess.chat.training_templates import template_name, with_cha
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.document.preference import as_text, is_standard
 from tokenmill.preprocess.document.truncation import Part
-from tokenmill.preprocess.inputs.fields import check_messages, get_field, get_tools
-from tokenmill.preprocess.inputs.records import Record, RecordError
+from tokenmill.preprocess.inputs.fields import (
+    check_messages,
+    get_field,
+    get_tools,
+    record_error,
+)
+from tokenmill.preprocess.inputs.records import Record
 from tokenmill.preprocess.ledger import Tally
 
-# a conversation rendered ahead (chunks.py): its section (the last, as `_continue_chat` keeps
+# a conversation rendered ahead (chunks.py): its section (the last, as `continue_chat` keeps
 # it), messages, tools, rendering and offsets (None: not derived)
-Ahead = tuple[Section, list[dict], "list[dict] | None", str, "TokenOffsets | None"]
+Rendering = tuple[Section, list[dict], "list[dict] | None", str, "TokenOffsets | None"]
+
+
+@dataclass
+class MadeAhead:
+    """What a chunk made ahead for its records, in one batch (chunks.py), each taken once by
+    its record's own pass: plain texts encoded (`encoded`: id(text) -> (text, ids)) and
+    conversations rendered (`rendered`: (source, line) -> the record's renderings). A
+    (source, line) names one record of a chunk (render_ahead leaves out a name two records
+    share)."""
+
+    encoded: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    rendered: dict[tuple[str, int], list[Rendering]] = field(default_factory=dict)
+
+    def ids(self, text: str) -> list[int] | None:
+        """The ids of this very text (not an equal one), taken; None where none was made."""
+        made, ids = self.encoded.pop(id(text), (None, None))
+        return ids if made is text else None
+
+    def rendering(
+        self, record: Record, section: Section, messages: list[dict], tools: list[dict] | None
+    ) -> tuple[str, TokenOffsets | None] | None:
+        """This conversation's rendering and offsets, taken; None where none was made (a
+        truncated record's re-rendering renders other messages)."""
+        key = (record.source, record.line)
+        made = self.rendered.get(key, [])
+        for k, (made_for, *inputs, text, offsets) in enumerate(made):
+            if made_for is section and inputs == [messages, tools]:
+                del made[k]
+                if not made:
+                    del self.rendered[key]
+                return text, offsets
+        return None
 
 
 def _last_turn(section: Section, messages: list[dict], actions: list[bool]) -> list[bool]:
@@ -49,7 +87,8 @@ def present(record: Record, sections: list[Section]) -> list[Section]:
 
 
 class PartMaker:
-    """Sections -> parts, for one config and tokenizer."""
+    """Sections -> parts, for one config and tokenizer (the config's chat template, if it names
+    one, in place of the tokenizer's own: `bundle`)."""
 
     def __init__(self, config: PipelineConfig, bundle: TokenizerBundle):
         self.config = config
@@ -61,9 +100,7 @@ class PartMaker:
             header = assistant_header(Renderer(bundle))
             self.header_ids = tuple(encode_offsets(bundle, header).ids.tolist()) if header else ()
         self.roles = config.known_roles()
-        self.encoded: dict[int, tuple[str, list[int]]] = {}  # id(text) -> text, ids: chunks.py
-        # (source, line) -> the record's conversations rendered ahead, each used once: chunks.py
-        self.rendered: dict[tuple[str, int], list[Ahead]] = {}
+        self.ahead = MadeAhead()  # the chunk's, handed over by `take_ahead`
         if any(s.train_spans == "generation" for s in sections):
             if not has_generation_blocks(bundle.chat_template):
                 raise ValueError(
@@ -71,7 +108,11 @@ class PartMaker:
                     "which train_spans: generation reads"
                 )
 
-    def _sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
+    def take_ahead(self, ahead: MadeAhead) -> None:
+        """What a chunk made ahead for its records (what an earlier chunk left is dropped)."""
+        self.ahead = ahead
+
+    def sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
         """Each section rendered; chat sections that follow one another are one conversation
         (a TRL prompt and its reply), rendered once, when no later section continues it."""
         parts: list[Part] = []
@@ -82,24 +123,22 @@ class PartMaker:
             if section.template and standard:
                 section = as_text(section)
             if section.template and chat is not None:
-                chat = self._continue_chat(record, chat, section, value, tally)
+                chat = self.continue_chat(record, chat, section, value, tally)
                 continue
             if chat is not None:
                 parts.append(self._rendered(record, chat, tally))
                 chat = None
             if section.template:
-                chat = self._chat(record, section, section.field, value, not parts, tally)
+                chat = self.chat(record, section, section.field, value, not parts, tally)
             else:
-                parts.append(self._one(record, section, section.field, value, not parts, tally))
+                parts.append(self.one(record, section, section.field, value, not parts, tally))
         if chat is not None:
             parts.append(self._rendered(record, chat, tally))
         if not parts:
-            raise RecordError(
-                record.source, record.line, sections[0].field, "missing field", "missing_field"
-            )
+            raise record_error(record, sections[0].field, "missing field", "missing_field")
         return parts
 
-    def _chat(
+    def chat(
         self, record: Record, section: Section, field: str, value: Any, first: bool, tally: Tally
     ) -> Part:
         """A chat section's messages and actions, not rendered yet (no ids)."""
@@ -110,7 +149,7 @@ class PartMaker:
         actions = _last_turn(section, messages, actions)
         return Part(section, field, first, empty, empty.astype(bool), messages, actions)
 
-    def _continue_chat(
+    def continue_chat(
         self, record: Record, part: Part, section: Section, value: Any, tally: Tally
     ) -> Part:
         """The conversation of `part` continued by this chat section's messages, not rendered
@@ -120,18 +159,27 @@ class PartMaker:
         actions = self._actions(record, section, section.field, messages)
         before = part.messages or []
         if messages[: len(before)] == before:
-            messages, actions = messages[len(before) :], actions[len(before) :]
+            messages = messages[len(before) :]
+            actions = actions[len(before) :]
         tally.chars += sum(len(m["content"] or "") for m in messages)
-        messages, actions = before + messages, (part.actions or []) + actions
-        actions = _last_turn(section, messages, actions)
+        messages = before + messages
+        actions = _last_turn(section, messages, (part.actions or []) + actions)
         return Part(section, part.field, part.first, part.ids, part.mask, messages, actions)
 
     def _rendered(self, record: Record, part: Part, tally: Tally) -> Part:
         """A chat part with its tokens and mask: one rendering of all its messages."""
-        messages, actions = part.messages or [], part.actions or []
+        messages = part.messages or []
+        actions = part.actions or []
         ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
         tally.tokens += len(ids)
         return replace(part, ids=ids, mask=mask)
+
+    def with_messages(self, record: Record, part: Part, kept: list[int]) -> Part:
+        """A chat part rendered again with only its messages `kept` (truncation's re-render)."""
+        messages = [(part.messages or [])[i] for i in kept]
+        actions = [(part.actions or [])[i] for i in kept]
+        ids, mask = self._render(record, part.section, part.field, messages, actions, part.first)
+        return Part(part.section, part.field, part.first, ids, mask, messages, actions)
 
     def _actions(
         self, record: Record, section: Section, field: str, messages: list[dict]
@@ -147,12 +195,11 @@ class PartMaker:
             value = message.get(flag)
             if value is not None and not isinstance(value, bool):
                 where = f"{field}[{k}].{flag}"
-                expected = f"expected true or false, got {value!r}"
-                raise RecordError(record.source, record.line, where, expected, "wrong_type")
+                raise record_error(record, where, f"expected true or false, got {value!r}")
             actions[k] = actions[k] if value is None else value
         return actions
 
-    def _one(
+    def one(
         self,
         record: Record,
         section: Section,
@@ -164,23 +211,16 @@ class PartMaker:
         """Tokens and mask of one section value (a chat or a text)."""
         if section.template:
             return self._rendered(
-                record, self._chat(record, section, field, value, first, tally), tally
+                record, self.chat(record, section, field, value, first, tally), tally
             )
         if not isinstance(value, str):
-            raise RecordError(
-                record.source,
-                record.line,
-                field,
-                f"expected a string, got {type(value).__name__}",
-                "wrong_type",
-            )
+            raise record_error(record, field, f"expected a string, got {type(value).__name__}")
         value = section.prefix + value if value else value  # an empty input adds nothing
         tally.chars += len(value)
         add_special = (
             section.add_special_tokens if section.add_special_tokens is not None else first
         )
-        text, ahead = self.encoded.pop(id(value), (None, None))  # encoded with its chunk
-        ids = encode_text(self.bundle, value, add_special, ahead if text is value else None)
+        ids = encode_text(self.bundle, value, add_special, self.ahead.ids(value))
         mask = np.full(len(ids), section.action == "train", dtype=bool)
         if (
             add_special
@@ -206,16 +246,21 @@ class PartMaker:
         """A chat section's tokens and mask, its EOS included (one rendering of the messages,
         with the record's tool schemas and the section's template keyword arguments)."""
         tools = get_tools(record, section.tools_field)
-        ahead = self._ahead(record, section, messages, tools)
         try:
             ids, mask = masked_rendering(
-                self.bundle, messages, actions, section.generation_prompt, tools,
-                section.template_kwargs, section.train_spans, ahead,
-            )  # fmt: skip
+                self.bundle,
+                messages,
+                actions,
+                section.generation_prompt,
+                tools,
+                section.template_kwargs,
+                section.train_spans,
+                self.ahead.rendering(record, section, messages, tools),
+            )
         except (MaskUnproven, ContentDropped) as err:
             name = template_name(self.bundle, self.config.chat_template)
             message = f"{err} (chat template: {name})"
-            raise RecordError(record.source, record.line, field, message, err.reason) from None
+            raise record_error(record, field, message, err.reason) from None
         except (
             ValueError,
             TypeError,
@@ -227,9 +272,7 @@ class PartMaker:
             jinja2.TemplateError,  # raise_exception(), the budgets (TemplateBudget)
         ) as err:
             # raise_exception() in a template, or a template tripping over odd message fields
-            raise RecordError(
-                record.source, record.line, field, f"chat template: {err}", "template_error"
-            ) from None
+            raise record_error(record, field, f"chat template: {err}", "template_error") from None
         if (
             not first
             and self.bundle.bos_id is not None
@@ -241,22 +284,6 @@ class PartMaker:
             ids, mask = self._eos(section, ids, mask)
         return ids, mask
 
-    def _ahead(
-        self, record: Record, section: Section, messages: list[dict], tools: list[dict] | None
-    ) -> tuple[str, TokenOffsets | None] | None:
-        """This conversation's rendering and offsets, where its chunk made them: a truncated
-        record's re-rendering (other messages) finds none. A (source, line) names one record
-        of a chunk (render_ahead leaves out a name two records share)."""
-        key = (record.source, record.line)
-        made = self.rendered.get(key, [])
-        for k, (made_for, *inputs, text, offsets) in enumerate(made):
-            if made_for is section and inputs == [messages, tools]:
-                del made[k]
-                if not made:
-                    del self.rendered[key]
-                return text, offsets
-        return None
-
     def _eos(
         self, section: Section, ids: np.ndarray, mask: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -264,6 +291,5 @@ class PartMaker:
             raise ValueError(
                 f"section {section.field!r} asks for eos but the tokenizer has no eos token"
             )
-        return np.append(ids, np.int32(self.bundle.eos_id)), np.append(
-            mask, section.action != "mask"
-        )
+        ids = np.append(ids, np.int32(self.bundle.eos_id))
+        return ids, np.append(mask, section.action != "mask")

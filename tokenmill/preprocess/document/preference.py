@@ -45,10 +45,9 @@ def is_standard(record: Record, config: PipelineConfig) -> bool:
     """Preference data in TRL's standard format: every chat field it has holds text."""
     if not config.multi_output:
         return False
-    fields = {
-        s.field for src in (config.input.sources or {}).values() for s in src.sections
-        if s.template and record.data.get(s.field) is not None
-    }  # fmt: skip
+    sources = (config.input.sources or {}).values()
+    sections = [s for source in sources for s in source.sections]
+    fields = {s.field for s in sections if s.template and record.data.get(s.field) is not None}
     return bool(fields) and all(isinstance(record.data[f], str) for f in fields)
 
 

@@ -67,7 +67,9 @@ def cut(
     trained = np.flatnonzero(mask)
     if not len(trained):
         return ids[:limit], mask[:limit]
-    first, excess, head = int(trained[0]), len(ids) - limit, int(has_bos)
+    first = int(trained[0])
+    excess = len(ids) - limit
+    head = int(has_bos)  # a leading BOS is kept
     start = first - len(header)
     if header and start >= head:
         opened = ids[start:first].tolist()
@@ -95,9 +97,15 @@ def resolve(mode: str, sections: list[Section]) -> str:
 
 
 def fit(
-    parts: list[Part], limit: int, mode: str, trains: bool, bos: int | None,
-    rerender: Rerender, tally: Tally, header: tuple[int, ...] = (),
-) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    parts: list[Part],
+    limit: int,
+    mode: str,
+    trains: bool,
+    bos: int | None,
+    rerender: Rerender,
+    tally: Tally,
+    header: tuple[int, ...] = (),
+) -> tuple[np.ndarray, np.ndarray]:
     """The parts joined and cut to `limit` by `mode` (`header`: the ids of the trained role's
     header, kept with its reply); cuts are tallied."""
     ids, mask = join(parts)
@@ -122,7 +130,8 @@ def latest_turns(parts: list[Part], limit: int, trains: bool, rerender: Rerender
     if chat is None:
         return parts
     part = parts[chat]
-    messages, actions = part.messages or [], part.actions or []
+    messages = part.messages or []
+    actions = part.actions or []
     others = sum(len(p.ids) for i, p in enumerate(parts) if i != chat)
     # a trained section beside the chat (a text response) already trains: then the chat
     # keeps its latest turns whatever they train

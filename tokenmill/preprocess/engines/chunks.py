@@ -28,14 +28,14 @@ from tokenmill.preprocess.chat.tokenizer import (
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.document.filters import FILTER_REASONS, check_chars, raw_chars
 from tokenmill.preprocess.document.masking import RecordMasker
-from tokenmill.preprocess.document.parts import Ahead
+from tokenmill.preprocess.document.parts import MadeAhead, Rendering
 from tokenmill.preprocess.document.truncation import Part
-from tokenmill.preprocess.inputs.fields import get_field, get_tools
+from tokenmill.preprocess.inputs.fields import get_field, get_tools, record_error
 from tokenmill.preprocess.inputs.files import InputPath
 from tokenmill.preprocess.inputs.records import Record, RecordError, read_records
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
-from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens, trained_count
+from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -147,7 +147,8 @@ def process_stream(
     """Chunks processed on threads as they are read, results in order: up to `ahead` at once,
     so a thread that is done takes the next chunk at once. The worker process's maskers and
     threads (`setup_worker`) unless given."""
-    maskers, threads = maskers or _MASKERS, threads or _THREADS
+    maskers = maskers or _MASKERS
+    threads = threads or _THREADS
     if maskers is None or threads is None:
         raise RuntimeError("process_stream called before setup_worker")
     pending: deque[Future[ChunkResult]] = deque()
@@ -183,10 +184,12 @@ def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
     without character offsets (`encode_fast`; only chat masks need offsets), which costs
     about a quarter less tokenizer time than an `encode` per record, for the same ids.
     Texts past max_chars are left out: the length filter drops them before any encode."""
-    sections, config = masker.config.input.sections, masker.config
+    config = masker.config
+    sections = config.input.sections
     if config.multi_output or len(sections) != 1 or sections[0].template:
         return {}
-    field, limit = sections[0].field, config.preprocessing.max_chars
+    field = sections[0].field
+    limit = config.preprocessing.max_chars
     add_special = sections[0].add_special_tokens
     texts = [
         text
@@ -202,15 +205,16 @@ def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
 AHEAD_CHARS = 1 << 22  # rendered ahead per chunk, at most (and one record): about 20 MB of offsets
 
 
-def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[tuple[str, int], list[Ahead]]:
+def render_ahead(
+    masker: RecordMasker, records: list[Record]
+) -> dict[tuple[str, int], list[Rendering]]:
     """Chats (SFT, preference pairs): the chunk's conversations rendered, and their renderings
-    encoded in one batch (`encode_offsets_batch`), as `RecordMasker._render` takes them: the
-    masking threads hand the GIL to each other once per chunk, not once per conversation. A
-    record that fails here (too long, bad messages, a template error) is left to its own
-    pass, which says why."""
+    encoded in one batch (`encode_offsets_batch`), as the masker's part maker takes them
+    (`MadeAhead.rendering`): the masking threads hand the GIL to each other once per chunk,
+    not once per conversation. A record that fails here (too long, bad messages, a template
+    error) is left to its own pass, which says why."""
     config = masker.config
-    sections = [*config.input.sections]
-    sections += [s for source in (config.input.sources or {}).values() for s in source.sections]
+    sections = config.all_sections()
     generation = any(s.train_spans == "generation" for s in sections)
     if generation or not any(s.template for s in sections):
         return {}  # the template's generation blocks: rendered with the record's own pass
@@ -239,7 +243,7 @@ def render_ahead(masker: RecordMasker, records: list[Record]) -> dict[tuple[str,
         except Exception:  # noqa: BLE001 - reported by the record's own pass
             continue
     offsets = encode_offsets_batch(masker.bundle, [text for *_, text in made])
-    rendered: dict[tuple[str, int], list[Ahead]] = {}
+    rendered: dict[tuple[str, int], list[Rendering]] = {}
     for (key, part, tools, text), encoded in zip(made, offsets, strict=True):
         ahead = (part.section, part.messages or [], tools, text, encoded)
         rendered.setdefault(key, []).append(ahead)
@@ -255,8 +259,9 @@ def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
     for _ in chunk.read_errors:  # unreadable: no domain, no tokens
         _ledger(ledgers, "").records_read += 1
         _ledger(ledgers, "").drop("bad_record", 1, 0)
-    masker.encoded = encode_ahead(masker, chunk.records)
-    masker.rendered = render_ahead(masker, chunk.records)
+    masker.take_ahead(
+        MadeAhead(encode_ahead(masker, chunk.records), render_ahead(masker, chunk.records))
+    )
     by_domain: dict[str, list[dict]] = {}
     for record in chunk.records:
         try:
@@ -283,20 +288,19 @@ def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
             ledger.drop("truncated", 1, tally.truncated)
         by_domain.setdefault(domain, []).append(out)
     rows: list[tuple[str, dict]] = []
-    token_keys, mask_keys = masker.token_keys(), masker.mask_keys()
+    schema = masker.layout.row_schema()
     for domain, outs in by_domain.items():
         packed, lost, cut = pack_rows(outs, config)
         if lost:
             ledgers[domain].drop("packing_overflow", cut, lost)
-        ledgers[domain].tokens_written += sum(
-            row_tokens(r[k]) for r in packed for k in token_keys if k in r
-        )
+        ledgers[domain].tokens_written += sum(schema.token_count(row) for row in packed)
         rows.extend((domain, row) for row in packed)
     read = len(chunk.records) + len(chunk.read_errors)
     written = sum(len(v) for v in by_domain.values())
     result = ChunkResult(chunk.index, read, written, rows, errors, ledgers)
-    result.trained_tokens = sum(row_trained(row, mask_keys, token_keys) for _, row in rows)
-    result.sizes = [row_tokens(row[masker.primary_key()]) for _, row in rows]
+    result.trained_tokens = sum(schema.trained_tokens(row) for _, row in rows)
+    primary = masker.primary_key()
+    result.sizes = [row_tokens(row[primary]) for _, row in rows]
     return result
 
 
@@ -336,9 +340,8 @@ def _domain(record: Record, config: PipelineConfig) -> str:
         isinstance(value, str) and (TMP_MARK in value or is_shard_name(value))
     )
     if not isinstance(value, str) or not _SAFE_DOMAIN.match(value) or reserved:
-        raise RecordError(
-            record.source,
-            record.line,
+        raise record_error(
+            record,
             key,
             f"domain must be a short name of letters, digits, '.', '_' or '-', and not one the "
             f"dataset uses for its own files (manifest.json, rejects.jsonl, shard_N, .tmp-), "
@@ -346,10 +349,3 @@ def _domain(record: Record, config: PipelineConfig) -> str:
             "bad_value",
         )
     return value
-
-
-def row_trained(row: dict, mask_keys: list[str], token_keys: list[str]) -> int:
-    """Trained tokens of a row: its masks' True values, or every token when nothing is masked."""
-    if not mask_keys:
-        return sum(row_tokens(row[k]) for k in token_keys if k in row)
-    return sum(trained_count(row[k]) for k in mask_keys if k in row)

@@ -2,7 +2,8 @@
 
 The pipeline talks to one interface: `session()` holds what the run needs (Ray: a
 connection), `results()` yields each chunk's `ChunkResult` in chunk order, and `writer()`
-gives a domain's shard writer (for output to a bucket, `bucket` is the run's BucketOutput:
+gives a domain's shard writer for its `ShardSpec` (for output to a bucket, `bucket` is the
+run's BucketOutput:
 the Ray engine's write tasks upload their shards themselves; the local engine's shards are
 uploaded by the BucketOutput as they are published). `LocalEngine` uses threads of this
 machine (two to a process); `RayEngine` (ray/engine.py) a Ray cluster, with the same chunks,
@@ -20,10 +21,9 @@ from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import chain, islice
 from multiprocessing import get_context
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenmill.shards.writer import ShardWriter
+from tokenmill.shards.writer import ShardWriter, shard_spec
 
 if TYPE_CHECKING:  # the chunk machinery (tokenizer, templates) loads when a run starts
     from tokenmill.preprocess.config import PipelineConfig
@@ -40,14 +40,18 @@ class Engine(Protocol):
     def session(self) -> contextlib.AbstractContextManager[Any]: ...
 
     def results(
-        self, files: Sequence[InputPath], config: PipelineConfig, tokenizer_path: str,
-        collect_errors: bool, first_chunk: int,
-    ) -> Generator[ChunkResult, None, None]: ...  # fmt: skip
+        self,
+        files: Sequence[InputPath],
+        config: PipelineConfig,
+        tokenizer_path: str,
+        collect_errors: bool,
+        first_chunk: int,
+    ) -> Generator[ChunkResult, None, None]: ...
 
-    def writer(
-        self, domain_dir: Path, dtypes: dict[str, str], primary_key: str,
-        max_tokens_per_shard: int, storage_format: str, first_index: int, bucket: Any = None,
-    ) -> Any: ...  # fmt: skip
+    def writer(self, *spec: Any, bucket: Any = None) -> Any:
+        """The shard writer of one domain: `spec` is its ShardSpec (or the spec's six fields,
+        as the pipeline gives them until it passes a ShardSpec)."""
+        ...
 
 
 def make_engine(name: str, workers: int | None, ray_address: str | None = None) -> Engine:
@@ -130,19 +134,9 @@ class LocalEngine:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 
-    def writer(
-        self,
-        domain_dir: Path,
-        dtypes: dict[str, str],
-        primary_key: str,
-        max_tokens_per_shard: int,
-        storage_format: str,
-        first_index: int,
-        bucket: Any = None,
-    ) -> ShardWriter:
-        return ShardWriter(
-            domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format, first_index
-        )
+    def writer(self, *spec: Any, bucket: Any = None) -> ShardWriter:
+        """A ShardWriter here; a bucket's uploads are the BucketOutput's."""
+        return ShardWriter(shard_spec(*spec))
 
 
 def _groups(chunks: Iterator[Chunk], size: int) -> Iterator[list[Chunk]]:

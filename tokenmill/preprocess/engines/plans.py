@@ -212,7 +212,8 @@ class FileRangeReader:
             self.close()
             self.closer = contextlib.ExitStack()
             self.stream = self.closer.enter_context(open_bytes(path))
-            self.path, self.position = file_range.path, 0
+            self.path = file_range.path
+            self.position = 0
         _skip(self.stream, file_range.offset - self.position, file_range.offset, path)
         self.position = file_range.offset
         wanted = file_range.lines

@@ -34,9 +34,7 @@ def remap(record: Record, config: InputConfig) -> Record:
 
 def chat_fields(config: InputConfig) -> list[str]:
     """The fields chat sections read (rendered through the template)."""
-    sources = (config.sources or {}).values()
-    sections = [*config.sections, *(s for source in sources for s in source.sections)]
-    return list(dict.fromkeys(s.field for s in sections if s.template))
+    return list(dict.fromkeys(s.field for s in config.all_sections() if s.template))
 
 
 def _message(message: object, config: InputConfig) -> object:

@@ -15,32 +15,50 @@ import orjson
 from tokenmill.preprocess.inputs.records import Record, RecordError, show_value, type_name
 
 
+def record_error(
+    record: Record, field: str | None, message: str, reason: str = "wrong_type"
+) -> RecordError:
+    """The error of a bad `field` of this record (None: the record as a whole), named by its
+    file and line: the one way a record's error says where it is."""
+    return RecordError(record.source, record.line, field, message, reason)
+
+
 def get_field(record: Record, path: str) -> Any:
     """Value at `path` ("text" or dotted "meta.lang"); missing and null are both missing_field."""
     value: Any = record.data
     walked: list[str] = []
     for key in path.split("."):
         if not isinstance(value, dict):
-            raise _error(record, ".".join(walked), f"expected an object, got {type_name(value)}")
+            raise record_error(
+                record, ".".join(walked), f"expected an object, got {type_name(value)}"
+            )
         walked.append(key)
         if key not in value:
             keys = ", ".join(list(value)[:10]) + (", ..." if len(value) > 10 else "")
             message = f"missing field (record has: {keys or 'no fields'})"
             if len(walked) == 1 and value:  # a key of another name may hold it
                 message += f"; map one with input.columns: {{{key}: <its key>}}"
-            raise _error(record, ".".join(walked), message, "missing_field")
+            raise record_error(record, ".".join(walked), message, "missing_field")
         value = value[key]
         if value is None:
-            raise _error(record, ".".join(walked), "is null", "missing_field")
+            raise record_error(record, ".".join(walked), "is null", "missing_field")
     return value
 
 
 # ShareGPT's speaker names (`from`), as the tools that write ShareGPT data use them.
 SHAREGPT_ROLES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-    "chatgpt": "assistant", "bard": "assistant", "system": "system", "tool": "tool",
-    "observation": "tool", "function_response": "tool", "function_call": "assistant",
-}  # fmt: skip
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+    "function_call": "assistant",
+}
 
 
 def check_messages(
@@ -55,14 +73,16 @@ def check_messages(
     Messages are indexed from 0 in errors (`messages[3].role`).
     """
     if not isinstance(value, list):
-        raise _error(record, field, f"expected a list of messages, got {type_name(value)}")
+        raise record_error(record, field, f"expected a list of messages, got {type_name(value)}")
     if not value:
-        raise _error(record, field, "empty conversation", "empty")
+        raise record_error(record, field, "empty conversation", "empty")
     out = []
     for i, message in enumerate(value):
         where = f"{field}[{i}]"
         if not isinstance(message, dict):
-            raise _error(record, where, f"expected a message object, got {type_name(message)}")
+            raise record_error(
+                record, where, f"expected a message object, got {type_name(message)}"
+            )
         if "role" not in message and "from" in message:
             message = _from_sharegpt(record, where, message)
         role = _message_string(record, where, message, "role")
@@ -70,7 +90,7 @@ def check_messages(
         if calls is not None and not (
             isinstance(calls, list) and all(isinstance(c, dict) for c in calls)
         ):
-            raise _error(
+            raise record_error(
                 record,
                 f"{where}.tool_calls",
                 f"expected a list of objects, got {show_value(calls)}",
@@ -78,7 +98,7 @@ def check_messages(
         content = _content(record, where, message, allow_null=bool(calls))
         if roles is not None and role not in roles:
             expected = f"expected one of [{', '.join(sorted(roles))}], got {show_value(role)}"
-            raise _error(record, f"{where}.role", expected, "unknown_role")
+            raise record_error(record, f"{where}.role", expected, "unknown_role")
         out.append({**message, "content": content})
     return out
 
@@ -90,12 +110,14 @@ def _from_sharegpt(record: Record, where: str, message: dict) -> dict:
         expected = (
             f"expected one of [{', '.join(sorted(SHAREGPT_ROLES))}], got {show_value(speaker)}"
         )
-        raise _error(record, f"{where}.from", expected, "unknown_role")
+        raise record_error(record, f"{where}.from", expected, "unknown_role")
     rest = {k: v for k, v in message.items() if k not in ("from", "value")}
     if speaker == "function_call":  # LLaMA-Factory's tool call: {"name", "arguments"} as JSON
         call = _json_value(record, f"{where}.value", message["value"])
         if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            raise _error(record, f"{where}.value", "expected a function call {name, arguments}")
+            raise record_error(
+                record, f"{where}.value", "expected a function call {name, arguments}"
+            )
         function = {"name": call["name"], "arguments": call.get("arguments", {})}
         return {
             "role": "assistant",
@@ -110,7 +132,7 @@ def _json_value(record: Record, field: str, text: str) -> Any:
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as err:
-        raise _error(record, field, f"not valid JSON: {err}", "bad_value") from None
+        raise record_error(record, field, f"not valid JSON: {err}", "bad_value") from None
 
 
 def _content(record: Record, where: str, message: dict, allow_null: bool) -> str | None:
@@ -126,7 +148,7 @@ def _content(record: Record, where: str, message: dict, allow_null: bool) -> str
                 and part.get("type") == "text"
                 and isinstance(part.get("text"), str)
             ):
-                raise _error(
+                raise record_error(
                     record,
                     f"{where}.content[{j}]",
                     f"expected a text part {{type: text, text}}, got {show_value(part)}",
@@ -136,19 +158,15 @@ def _content(record: Record, where: str, message: dict, allow_null: bool) -> str
     return _message_string(record, where, message, "content")
 
 
-def _error(record: Record, field: str, message: str, reason: str = "wrong_type") -> RecordError:
-    return RecordError(record.source, record.line, field, message, reason)
-
-
 def _message_string(record: Record, where: str, message: dict, key: str) -> str:
     field = f"{where}.{key}"
     if key not in message:
-        raise _error(record, field, "missing field", "missing_field")
+        raise record_error(record, field, "missing field", "missing_field")
     value = message[key]
     if value is None:
-        raise _error(record, field, "is null", "missing_field")
+        raise record_error(record, field, "is null", "missing_field")
     if not isinstance(value, str):
-        raise _error(
+        raise record_error(
             record, field, f"expected a string, got {type_name(value)} {show_value(value)}"
         )
     return value
@@ -163,12 +181,8 @@ def get_tools(record: Record, field: str | None) -> list[dict] | None:
     if isinstance(tools, str):  # as LLaMA-Factory's ShareGPT data keeps them: JSON text
         tools = _json_value(record, field, tools)
     if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise RecordError(
-            record.source,
-            record.line,
-            field,
-            f"expected a list of tool schemas (objects), got {type(tools).__name__}",
-            "wrong_type",
+        raise record_error(
+            record, field, f"expected a list of tool schemas (objects), got {type(tools).__name__}"
         )
     return tools
 
@@ -181,20 +195,12 @@ def get_values(record: Record, field: str, dtype: np.dtype) -> np.ndarray:
     for j, v in enumerate(items):
         where = f"{field}[{j}]" if isinstance(value, list) else field
         if not isinstance(v, (int, float)):  # a bool counts: KTO's label, stored 1.0 / 0.0
-            raise RecordError(
-                record.source,
-                record.line,
-                where,
-                f"expected a number, got {type(v).__name__}",
-                "wrong_type",
-            )
+            raise record_error(record, where, f"expected a number, got {type(v).__name__}")
         if not math.isfinite(v):
-            raise RecordError(
-                record.source, record.line, where, f"not a finite number: {v}", "bad_value"
-            )
+            raise record_error(record, where, f"not a finite number: {v}", "bad_value")
         problem = _unrepresentable(v, dtype)
         if problem:
-            raise RecordError(record.source, record.line, where, problem, "bad_value")
+            raise record_error(record, where, problem, "bad_value")
     return np.asarray(items, dtype=np.float32)
 
 

@@ -36,13 +36,14 @@ class DatasetInput:
         return f"DatasetInput({self.name})"
 
 
+HF_KINDS = ("Dataset", "IterableDataset", "DatasetDict", "IterableDatasetDict")
+
+
 def hf_dataset_kind(value: Any) -> str | None:
     """ "Dataset", "IterableDataset", "DatasetDict" or "IterableDatasetDict" for an object of
     Hugging Face `datasets`, else None."""
     for cls in type(value).__mro__:
-        if cls.__module__.split(".")[0] == "datasets" and cls.__name__ in (
-            "Dataset", "IterableDataset", "DatasetDict", "IterableDatasetDict",
-        ):  # fmt: skip
+        if cls.__module__.split(".")[0] == "datasets" and cls.__name__ in HF_KINDS:
             return cls.__name__
     return None
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Iterator, Sequence
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -32,7 +31,7 @@ from tokenmill.preprocess.engines.chunks import ChunkResult
 from tokenmill.preprocess.inputs.files import InputPath
 from tokenmill.preprocess.ray.results import ray_results
 from tokenmill.preprocess.ray.writer import RayShardWriter, Upload
-from tokenmill.shards.writer import ShardWriter
+from tokenmill.shards.writer import ShardWriter, shard_spec
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
 
@@ -84,7 +83,8 @@ class RayEngine:
 
     def __init__(self, workers: int | None, address: str | None):
         require_ray()  # fail before touching the output folder
-        self.workers, self.address = workers, address
+        self.workers = workers
+        self.address = address
         self.ray: Any = None  # the ray module while a session is open
         self.rows_here = False  # the driver writes the rows (`one_node`)
 
@@ -110,26 +110,23 @@ class RayEngine:
             self.ray, files, args, self.workers, first_chunk=first_chunk, rows_here=self.rows_here
         )
 
-    def writer(
-        self,
-        domain_dir: Path,
-        dtypes: dict[str, str],
-        primary_key: str,
-        max_tokens_per_shard: int,
-        storage_format: str,
-        first_index: int,
-        bucket: Any = None,
-    ) -> RayShardWriter | ShardWriter:
+    def writer(self, *spec: Any, bucket: Any = None) -> RayShardWriter | ShardWriter:
+        """The shard writer of one domain's ShardSpec (or its six fields: engine.py's Engine)."""
+        shards = shard_spec(*spec)
         if self.rows_here:  # a bucket's uploads are then the local engine's (BucketOutput)
-            return ShardWriter(
-                domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format, first_index
-            )
+            return ShardWriter(shards)
         upload = None
         if bucket is not None:  # the write tasks upload; the driver first uploads the journal
-            domain = domain_dir.relative_to(bucket.local).as_posix()
+            domain = shards.domain_dir.relative_to(bucket.local).as_posix()
             upload = Upload(bucket.remote, bucket.rel("" if domain == "." else domain))
         return RayShardWriter(
-            self.ray, domain_dir, dtypes, primary_key, max_tokens_per_shard, storage_format,
-            first_index=first_index, upload=upload,
+            self.ray,
+            shards.domain_dir,
+            shards.dtypes,
+            shards.primary_key,
+            shards.max_tokens_per_shard,
+            shards.storage_format,
+            first_index=shards.first_index,
+            upload=upload,
             before_upload=bucket.sync_journal if bucket is not None else None,
-        )  # fmt: skip
+        )

@@ -38,7 +38,8 @@ def claims_kv() -> ModuleType:
 def claim(claims: str, index: int, owner: str) -> bool:
     """Whether chunk `index` is `owner`'s ("driver" or "pool"): taken now, or earlier by the
     same owner (a task that Ray Data runs again after its worker died claims its chunks again)."""
-    kv, key = claims_kv(), f"{claims}{index}"
+    kv = claims_kv()
+    key = f"{claims}{index}"
     if not kv._internal_kv_put(key, owner, overwrite=False, namespace=CLAIMS):
         return True  # the key was not there: taken now
     return kv._internal_kv_get(key, namespace=CLAIMS) == owner.encode()
@@ -49,7 +50,8 @@ class Frontier:
     waits on it before it claims a chunk more than AHEAD past it."""
 
     def __init__(self, index: int):
-        self.index, self.closed = index, False
+        self.index = index
+        self.closed = False
         self._moved = threading.Condition()
 
     def advance(self) -> None:

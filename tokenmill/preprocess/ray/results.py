@@ -67,7 +67,8 @@ def process_units(
     try:
         with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
             for unit, claims in zip(batch["unit"], batch["claims"], strict=True):
-                plans, ahead = iter(unit), THREADS + 1
+                plans = iter(unit)
+                ahead = THREADS + 1
                 if claims:  # the first task, shared with the driver's thread(s): as many
                     # threads as the driver leaves, each chunk claimed as a thread comes free
                     plans = (plan for plan in unit if claim(claims, plan.index, "pool"))
