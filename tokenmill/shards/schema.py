@@ -7,7 +7,8 @@ trained tokens by it, the collators and the tools find tokens and masks by it. N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenmill.shards.format import row_tokens, trained_count
@@ -45,9 +46,12 @@ class ItemSchema:
         """Tokens the item trains: each mask's True count, or every token of an unmasked key."""
         total = 0
         for key, mask in self.tokens.items():
-            if key in item:
-                masked = mask is not None and mask in item
-                total += trained_count(item[mask]) if masked else row_tokens(item[key])
+            if key not in item:
+                continue
+            if mask is not None and mask in item:
+                total += trained_count(item[mask])
+            else:
+                total += row_tokens(item[key])
         return total
 
 
@@ -83,3 +87,17 @@ def token_count(item: dict[str, Any]) -> int:
 def trained_tokens(item: dict[str, Any]) -> int:
     """Tokens an item of any training type trains."""
     return schema_of(item).trained_tokens(item)
+
+
+def stored_schema(keys: Iterable[str]) -> ItemSchema | None:
+    """The schema of a dataset's stored rows, told by their keys: a row's keys are its items'
+    but for `sequence`, which seq and sft items hand out as `input_ids` (shifted, as targets);
+    None for keys of no training type (a config's own names)."""
+    names = ["input_ids" if key == "sequence" else key for key in keys]
+    try:
+        schema = schema_of(dict.fromkeys(names))
+    except KeyError:
+        return None
+    if "input_ids" not in schema.tokens:
+        return schema
+    return replace(schema, tokens={"sequence": schema.tokens["input_ids"]})

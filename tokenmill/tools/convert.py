@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from tokenmill.preprocess.run.runlog import Summary
 from tokenmill.shards.format import RUN_DIR, Column, DocumentLengths, positions_mark_documents
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
-from tokenmill.shards.schema import ItemSchema, schema_of
+from tokenmill.shards.schema import stored_schema
 from tokenmill.shards.writer import ShardWriter
 from tokenmill.tools.megatron import paths, read_megatron, token_dtype, write_megatron
 
@@ -73,21 +72,6 @@ def _domain_of(relative: Path) -> str:
 
 def shard_columns(shard: Path) -> dict[str, Column]:
     return map_shard(shard, read_meta(shard))
-
-
-def stored_schema(keys: Iterable[str]) -> ItemSchema | None:
-    """The item schema (shards/schema.py) of a dataset's stored rows, told by their keys: a
-    row's keys are its items' but for `sequence`, which seq and sft items hand out as
-    `input_ids` (and shifted, as targets); None for keys of no training type (a config's own
-    names)."""
-    names = ["input_ids" if key == "sequence" else key for key in keys]
-    try:
-        schema = schema_of(dict.fromkeys(names))
-    except KeyError:
-        return None
-    if "input_ids" not in schema.tokens:
-        return schema
-    return replace(schema, tokens={"sequence": schema.tokens["input_ids"]})
 
 
 # --- export to Megatron -------------------------------------------------------------------------

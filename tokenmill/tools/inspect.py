@@ -25,8 +25,7 @@ from tokenmill.shards.format import (
 )
 from tokenmill.shards.manifest import read_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
-from tokenmill.shards.schema import ItemSchema
-from tokenmill.tools.convert import stored_schema
+from tokenmill.shards.schema import ItemSchema, stored_schema
 
 PERCENTILES = (50, 90, 99)
 
