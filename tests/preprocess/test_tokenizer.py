@@ -28,9 +28,9 @@ from tokenmill.preprocess.chat.tokenizer import (
 )
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.document.masking import RecordMasker
-from tokenmill.preprocess.document.parts import MadeAhead
+from tokenmill.preprocess.document.parts import Premade
 from tokenmill.preprocess.engines import chunks
-from tokenmill.preprocess.engines.chunks import encode_ahead, render_ahead
+from tokenmill.preprocess.engines.chunks import preencode, prerender
 from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.presets import default_config
 
@@ -91,8 +91,8 @@ def test_a_chunk_encoded_ahead_in_one_batch_gives_the_same_rows(family, bos):
     records.append(Record("c4.jsonl", 43, {"text": "x" * 20_001}))
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
-    made = MadeAhead(encoded=encode_ahead(ahead, records))
-    ahead.take_ahead(made)
+    made = Premade(encoded=preencode(ahead, records))
+    ahead.take_premade(made)
     assert len(made.encoded) == 41  # not the text past max_chars, nor the record without one
     for record in records:
         try:
@@ -144,8 +144,8 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
     records = [Record("chat.jsonl", i, value) for i, value in enumerate(values, 1)]
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
-    made = MadeAhead(rendered=render_ahead(ahead, records))
-    ahead.take_ahead(made)
+    made = Premade(rendered=prerender(ahead, records))
+    ahead.take_premade(made)
     derived = [made[4] is not None for entries in made.rendered.values() for made in entries]
     assert sum(derived) >= 30
     if family != "deepseek-v3":  # no normalizer there: nothing for it to change
@@ -175,11 +175,11 @@ def test_a_chat_chunk_rendered_ahead_in_one_batch_gives_the_same_rows(family, mo
         assert all(np.array_equal(got[k], expected[k]) for k in got)
     assert not made.rendered  # every rendering made ahead was used
     assert encodes[ahead] <= encodes[one] - 30  # and its encoding, where it was derived
-    monkeypatch.setattr(chunks, "AHEAD_CHARS", 20_000)  # past it, records go one at a time
-    assert 1 < len(render_ahead(ahead, records)) < 30
+    monkeypatch.setattr(chunks, "PRERENDER_CHARS", 20_000)  # past it, records go one at a time
+    assert 1 < len(prerender(ahead, records)) < 30
     dated = f"{{{{ strftime_now('%d %b %Y') }}}}{bundle.chat_template}"  # Llama 3's system date
     clock = RecordMasker(config, dataclasses.replace(bundle, chat_template=dated))
-    assert render_ahead(clock, records) == {}  # rendered with its record, on the same date
+    assert prerender(clock, records) == {}  # rendered with its record, on the same date
 
 
 def _preference_records(preset: str) -> list[Record]:
@@ -243,8 +243,8 @@ def test_preference_records_rendered_ahead_in_one_batch_give_the_same_rows(
     records = _preference_records(preset)
     bundle = load_tokenizer(TOKENIZERS / family)
     one, ahead = RecordMasker(config, bundle), RecordMasker(config, bundle)
-    made = MadeAhead(rendered=render_ahead(ahead, records))
-    ahead.take_ahead(made)
+    made = Premade(rendered=prerender(ahead, records))
+    ahead.take_premade(made)
     conversations = 2 if preset == "dpo" else 1
     for line in (1, 25, 26) if preset != "grpo" else (1, 26):  # explicit, implicit, to be cut
         assert len(made.rendered[("pairs.jsonl", line)]) == conversations

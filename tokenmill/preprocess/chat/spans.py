@@ -66,10 +66,10 @@ def masked_rendering(
     tools: list[dict] | None,
     template_kwargs: dict[str, Any] | None,
     train_spans: TrainSpans,
-    ahead: tuple[str, TokenOffsets | None] | None = None,
+    premade: tuple[str, TokenOffsets | None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`render_conversation`, given its rendering and the rendering's offsets (None where they
-    are not derived) where `ahead` holds them: made with the record's chunk (chunks.py)."""
+    are not derived) where `premade` holds them: made with the record's chunk (chunks.py)."""
     if train_spans == "generation":  # the template marks what trains: `{% generation %}` blocks
         text, spans = render_generation_spans(
             bundle, messages, add_generation_prompt, tools, **(template_kwargs or {})
@@ -83,7 +83,7 @@ def masked_rendering(
     if len(actions) != len(messages):
         raise ValueError(f"actions: {len(actions)} values for {len(messages)} messages")
     render = Renderer(bundle, tools, template_kwargs)
-    text, made = ahead if ahead is not None else (render(messages, add_generation_prompt), None)
+    text, made = premade if premade is not None else (render(messages, add_generation_prompt), None)
     prompt_start = len(text)  # where the generation prompt begins
     if add_generation_prompt:
         closed = render(messages, False)

@@ -164,7 +164,7 @@ def encode_text(
     """Token ids of plain text, with special tokens as the tokenizer's own `encode` puts them:
     its tokenizer.json post-processor, and one leading BOS only where tokenizer_config.json
     sets `add_bos_token` (as transformers does). A GPT-2-style folder that names a BOS token
-    but does not add it gets none. `ids`: the same text's encoding, made ahead in a batch."""
+    but does not add it gets none. `ids`: the same text's encoding, preencoded in a batch (chunks.py)."""
     if ids is None and tokenizer_threads_are_off():  # the same ids, without offsets
         [encoding] = encode_fast(bundle.tokenizer, [text], add_special_tokens)
         ids = encoding.ids

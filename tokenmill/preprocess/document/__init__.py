@@ -2,6 +2,6 @@
 
 filters (valid records a config excludes) -> preference (TRL's implicit prompts) -> layout
 (the keys and dtypes a config writes, and its rows' schema) -> truncation (cuts, counted) ->
-parts (a record's sections made into parts; what a chunk made ahead) -> masking
+parts (a record's sections made into parts; what a chunk premade) -> masking
 (RecordMasker, holding a layout and a part maker: the parts joined into a document).
 """

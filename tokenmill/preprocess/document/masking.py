@@ -20,7 +20,7 @@ from tokenmill.preprocess.chat.tokenizer import TokenizerBundle
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.document.filters import check_chars, raw_chars
 from tokenmill.preprocess.document.layout import OutputLayout, can_train
-from tokenmill.preprocess.document.parts import MadeAhead, PartMaker, present
+from tokenmill.preprocess.document.parts import PartMaker, Premade, present
 from tokenmill.preprocess.document.preference import is_standard, with_shared_prompt
 from tokenmill.preprocess.document.truncation import Part, fit, resolve, shared_turns
 from tokenmill.preprocess.inputs.columns import remap
@@ -51,10 +51,10 @@ class RecordMasker:
         """The key shards are cut by (the layout's)."""
         return self.layout.primary_key()
 
-    def take_ahead(self, ahead: MadeAhead) -> None:
-        """What a chunk encoded and rendered ahead for its records (chunks.py), each taken once
+    def take_premade(self, premade: Premade) -> None:
+        """What a chunk preencoded and prerendered for its records (chunks.py), each taken once
         by its record's own pass."""
-        self.parts.take_ahead(ahead)
+        self.parts.take_premade(premade)
 
     # --- processing ----------------------------------------------------------------------
     def process(
@@ -199,7 +199,7 @@ class RecordMasker:
     def conversations(self, record: Record) -> list[Part]:
         """The conversations this record's own pass renders first, in order, not rendered yet:
         one per sequence (SFT's, each reply's of a preference pair), or none where a sequence
-        holds text. What a chunk renders ahead in one batch (chunks.py); raises what the
+        holds text. What a chunk prerenders in one batch (chunks.py); raises what the
         record's own pass would."""
         record = remap(record, self.config.input)
         groups = [self.config.input.sections]

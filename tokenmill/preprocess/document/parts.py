@@ -3,8 +3,8 @@ checked and rendered as one conversation with those that continue it, each text 
 BOS per record and each section's EOS, every character and token tallied.
 
 `PartMaker` is what RecordMasker (masking.py) holds to make them. A chunk encodes its texts
-and renders its conversations ahead in one batch (chunks.py) and hands them to the masker as
-a `MadeAhead`; a part takes its ids or rendering from there where one was made.
+and prerenders its conversations in one batch (chunks.py) and hands them to the masker as
+a `Premade`; a part takes its ids or rendering from there where one was made.
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ from tokenmill.preprocess.inputs.fields import (
 from tokenmill.preprocess.inputs.records import Record
 from tokenmill.preprocess.ledger import Tally
 
-# a conversation rendered ahead (chunks.py): its section (the last, as `continue_chat` keeps
+# a conversation prerendered (chunks.py): its section (the last, as `continue_chat` keeps
 # it), messages, tools, rendering and offsets (None: not derived)
 Rendering = tuple[Section, list[dict], "list[dict] | None", str, "TokenOffsets | None"]
 
 
 @dataclass
-class MadeAhead:
-    """What a chunk made ahead for its records, in one batch (chunks.py), each taken once by
+class Premade:
+    """What a chunk premade for its records, in one batch (chunks.py), each taken once by
     its record's own pass: plain texts encoded (`encoded`: id(text) -> (text, ids)) and
     conversations rendered (`rendered`: (source, line) -> the record's renderings). A
-    (source, line) names one record of a chunk (render_ahead leaves out a name two records
+    (source, line) names one record of a chunk (prerender leaves out a name two records
     share)."""
 
     encoded: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
@@ -100,7 +100,7 @@ class PartMaker:
             header = assistant_header(Renderer(bundle))
             self.header_ids = tuple(encode_offsets(bundle, header).ids.tolist()) if header else ()
         self.roles = config.known_roles()
-        self.ahead = MadeAhead()  # the chunk's, handed over by `take_ahead`
+        self.premade = Premade()  # the chunk's, handed over by `take_premade`
         if any(s.train_spans == "generation" for s in sections):
             if not has_generation_blocks(bundle.chat_template):
                 raise ValueError(
@@ -108,9 +108,9 @@ class PartMaker:
                     "which train_spans: generation reads"
                 )
 
-    def take_ahead(self, ahead: MadeAhead) -> None:
-        """What a chunk made ahead for its records (what an earlier chunk left is dropped)."""
-        self.ahead = ahead
+    def take_premade(self, premade: Premade) -> None:
+        """What a chunk premade for its records (what an earlier chunk left is dropped)."""
+        self.premade = premade
 
     def sections(self, record: Record, sections: list[Section], tally: Tally) -> list[Part]:
         """Each section rendered; chat sections that follow one another are one conversation
@@ -220,7 +220,7 @@ class PartMaker:
         add_special = (
             section.add_special_tokens if section.add_special_tokens is not None else first
         )
-        ids = encode_text(self.bundle, value, add_special, self.ahead.ids(value))
+        ids = encode_text(self.bundle, value, add_special, self.premade.ids(value))
         mask = np.full(len(ids), section.action == "train", dtype=bool)
         if (
             add_special
@@ -255,7 +255,7 @@ class PartMaker:
                 tools,
                 section.template_kwargs,
                 section.train_spans,
-                self.ahead.rendering(record, section, messages, tools),
+                self.premade.rendering(record, section, messages, tools),
             )
         except (MaskUnproven, ContentDropped) as err:
             name = template_name(self.bundle, self.config.chat_template)

@@ -28,7 +28,7 @@ from tokenmill.preprocess.chat.tokenizer import (
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.document.filters import FILTER_REASONS, check_chars, raw_chars
 from tokenmill.preprocess.document.masking import RecordMasker
-from tokenmill.preprocess.document.parts import MadeAhead, Rendering
+from tokenmill.preprocess.document.parts import Premade, Rendering
 from tokenmill.preprocess.document.truncation import Part
 from tokenmill.preprocess.inputs.fields import get_field, get_tools, record_error
 from tokenmill.preprocess.inputs.files import InputPath
@@ -103,7 +103,7 @@ THREADS = 2  # chunks a process works on at once: one thread encodes (no GIL) wh
 
 
 class Maskers:
-    """A masker per thread (a masker holds its chunk's texts encoded ahead), all on the one
+    """A masker per thread (a masker holds its chunk's texts preencoded), all on the one
     tokenizer of the process."""
 
     def __init__(self, config_data: dict, tokenizer_path: str):
@@ -142,9 +142,9 @@ def process_stream(
     chunks: Iterator[Chunk],
     maskers: Maskers | None = None,
     threads: ThreadPoolExecutor | None = None,
-    ahead: int = THREADS + 1,
+    in_flight: int = THREADS + 1,
 ) -> Iterator[ChunkResult]:
-    """Chunks processed on threads as they are read, results in order: up to `ahead` at once,
+    """Chunks processed on threads as they are read, results in order: up to `in_flight` at once,
     so a thread that is done takes the next chunk at once. The worker process's maskers and
     threads (`setup_worker`) unless given."""
     maskers = maskers or _MASKERS
@@ -155,7 +155,7 @@ def process_stream(
     try:
         for chunk in chunks:
             pending.append(threads.submit(maskers.process, chunk))
-            if len(pending) >= ahead:
+            if len(pending) >= in_flight:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
@@ -165,21 +165,21 @@ def process_stream(
 
 
 def process_here(
-    chunks: Iterator[Chunk], threads: int, args: tuple[dict, str], ahead: int | None = None
+    chunks: Iterator[Chunk], threads: int, args: tuple[dict, str], in_flight: int | None = None
 ) -> Iterator[ChunkResult]:
     """Chunks processed on `threads` threads of this process; `args` = (config data, tokenizer
-    path), as `setup_worker` takes them. Up to `ahead` chunks at once (default: twice the
+    path), as `setup_worker` takes them. Up to `in_flight` chunks at once (default: twice the
     threads, since this thread also writes the shards)."""
     maskers = Maskers(*args)
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenmill-chunk")
     try:
         with tokenizer_threads_off():
-            yield from process_stream(chunks, maskers, pool, ahead=ahead or 2 * threads)
+            yield from process_stream(chunks, maskers, pool, in_flight=in_flight or 2 * threads)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 
 
-def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
+def preencode(masker: RecordMasker, records: list[Record]) -> dict:
     """Pretraining text (one plain text section): the chunk's texts encoded in one batch
     without character offsets (`encode_fast`; only chat masks need offsets), which costs
     about a quarter less tokenizer time than an `encode` per record, for the same ids.
@@ -202,15 +202,15 @@ def encode_ahead(masker: RecordMasker, records: list[Record]) -> dict:
     return {id(text): (text, e.ids) for text, e in zip(texts, encodings, strict=True)}
 
 
-AHEAD_CHARS = 1 << 22  # rendered ahead per chunk, at most (and one record): about 20 MB of offsets
+PRERENDER_CHARS = 1 << 22  # prerendered per chunk, at most (and one record): about 20 MB of offsets
 
 
-def render_ahead(
+def prerender(
     masker: RecordMasker, records: list[Record]
 ) -> dict[tuple[str, int], list[Rendering]]:
     """Chats (SFT, preference pairs): the chunk's conversations rendered, and their renderings
     encoded in one batch (`encode_offsets_batch`), as the masker's part maker takes them
-    (`MadeAhead.rendering`): the masking threads hand the GIL to each other once per chunk,
+    (`Premade.rendering`): the masking threads hand the GIL to each other once per chunk,
     not once per conversation. A record that fails here (too long, bad messages, a template
     error) is left to its own pass, which says why."""
     config = masker.config
@@ -226,7 +226,7 @@ def render_ahead(
     # each rendered on their own
     names = Counter((record.source, record.line) for record in records)
     for record in records:
-        if chars > AHEAD_CHARS:  # the rest one at a time: long records' offsets take memory
+        if chars > PRERENDER_CHARS:  # the rest one at a time: long records' offsets take memory
             break
         key = (record.source, record.line)
         if names[key] > 1:
@@ -245,8 +245,8 @@ def render_ahead(
     offsets = encode_offsets_batch(masker.bundle, [text for *_, text in made])
     rendered: dict[tuple[str, int], list[Rendering]] = {}
     for (key, part, tools, text), encoded in zip(made, offsets, strict=True):
-        ahead = (part.section, part.messages or [], tools, text, encoded)
-        rendered.setdefault(key, []).append(ahead)
+        made = (part.section, part.messages or [], tools, text, encoded)
+        rendered.setdefault(key, []).append(made)
     return rendered
 
 
@@ -259,9 +259,7 @@ def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
     for _ in chunk.read_errors:  # unreadable: no domain, no tokens
         _ledger(ledgers, "").records_read += 1
         _ledger(ledgers, "").drop("bad_record", 1, 0)
-    masker.take_ahead(
-        MadeAhead(encode_ahead(masker, chunk.records), render_ahead(masker, chunk.records))
-    )
+    masker.take_premade(Premade(preencode(masker, chunk.records), prerender(masker, chunk.records)))
     by_domain: dict[str, list[dict]] = {}
     for record in chunk.records:
         try:

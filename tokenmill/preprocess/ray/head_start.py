@@ -90,7 +90,7 @@ def head_start(
     reader = FileRangeReader(args[0]["input"].get("text_unit", "file"))
     try:
         chunks = _chunks(head, planned, claims, reader, frontier)
-        yield from process_here(chunks, DRIVER_THREADS, args, ahead=DRIVER_THREADS)
+        yield from process_here(chunks, DRIVER_THREADS, args, in_flight=DRIVER_THREADS)
     finally:
         reader.close()
 

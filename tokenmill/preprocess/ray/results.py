@@ -68,13 +68,13 @@ def process_units(
         with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
             for unit, claims in zip(batch["unit"], batch["claims"], strict=True):
                 plans = iter(unit)
-                ahead = THREADS + 1
+                in_flight = THREADS + 1
                 if claims:  # the first task, shared with the driver's thread(s): as many
                     # threads as the driver leaves, each chunk claimed as a thread comes free
                     plans = (plan for plan in unit if claim(claims, plan.index, "pool"))
-                    ahead = max(1, THREADS - DRIVER_THREADS)
+                    in_flight = max(1, THREADS - DRIVER_THREADS)
                 chunks = (read_chunk(plan, reader) for plan in plans)
-                for result in process_stream(chunks, ahead=ahead):
+                for result in process_stream(chunks, in_flight=in_flight):
                     rows = ChunkRows.of(result)
                     result.rows = [(domain, None) for domain, _ in result.rows]
                     yield {
