@@ -61,9 +61,13 @@ def write_dataset(root: Path, shards: int, tokens: int) -> Path:
             w.add({"sequence": rng.integers(0, 150_000, tokens, dtype=np.int32)})
     write_manifest(
         root,
-        {"keys": {"sequence": "int32"}, "primary_key": "sequence", "storage_format": "bin",
-         "domains": {"": w.published}},
-    )  # fmt: skip
+        {
+            "keys": {"sequence": "int32"},
+            "primary_key": "sequence",
+            "storage_format": "bin",
+            "domains": {"": w.published},
+        },
+    )
     return root
 
 
@@ -90,8 +94,9 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 def epoch(dataset, workers: int) -> tuple[float, float, int]:
     """(first-batch seconds, steady-state seconds, batches after the first) of one epoch."""
-    loader = DataflowLoader(MapDistributor(dataset, seed=0, num_epochs=1), batch_size=BATCH,
-                            num_workers=workers)  # fmt: skip
+    loader = DataflowLoader(
+        MapDistributor(dataset, seed=0, num_epochs=1), batch_size=BATCH, num_workers=workers
+    )
     start = time.perf_counter()
     it = iter(loader)
     next(it)
@@ -150,16 +155,20 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
     def load(cache: Path | None = None):
         if cache is None:
             return DatasetFactory.load("seq", str(local), window_size=WINDOW)
-        return DatasetFactory.load("seq", url, window_size=WINDOW, cache_dir=cache,
-                                   storage_options=options)  # fmt: skip
+        return DatasetFactory.load(
+            "seq", url, window_size=WINDOW, cache_dir=cache, storage_options=options
+        )
 
     def measure(name: str, cache: Path | None) -> dict:
         start = time.perf_counter()
         dataset = load(cache)
         loaded = time.perf_counter() - start
         first, steady, batches = epoch(dataset, workers)
-        out = {"load_s": loaded, "first_batch_s": first,
-               "tokens_per_s": batches * BATCH * WINDOW / steady}  # fmt: skip
+        out = {
+            "load_s": loaded,
+            "first_batch_s": first,
+            "tokens_per_s": batches * BATCH * WINDOW / steady,
+        }
         if cache is not None:
             out["stats"] = dataset.store.cache_stats()
         return out
@@ -191,23 +200,29 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
     finally:
         latency.close()
 
-    print(f"dataset: {shards} shards, {shards * tokens:,} tokens, {size / 1e6:,.0f} MB; "
-          f"windows of {WINDOW}, batches of {BATCH}, {workers} workers; "
-          f"local and warm: median of {WARM_ROUNDS * repeats} interleaved rounds")  # fmt: skip
+    print(
+        f"dataset: {shards} shards, {shards * tokens:,} tokens, {size / 1e6:,.0f} MB; "
+        f"windows of {WINDOW}, batches of {BATCH}, {workers} workers; "
+        f"local and warm: median of {WARM_ROUNDS * repeats} interleaved rounds"
+    )
     print(f"{'':14} {'load s':>8} {'first batch s':>14} {'tokens/s':>14}")
     for name in ("local", "bucket, warm", "bucket, cold"):
         r = results[name]
         print(f"{name:14} {r['load_s']:8.2f} {r['first_batch_s']:14.3f} {r['tokens_per_s']:14,.0f}")
-    print(f"plain parallel get of the objects: {plain / 1e6:,.0f} MB/s; cold run's downloads: "
-          f"{cold_bytes / 1e6:,.0f} MB/s ({watch.seconds:.2f} s from first bytes to last shard)")  # fmt: skip
+    print(
+        f"plain parallel get of the objects: {plain / 1e6:,.0f} MB/s; cold run's downloads: "
+        f"{cold_bytes / 1e6:,.0f} MB/s ({watch.seconds:.2f} s from first bytes to last shard)"
+    )
     print(f"warm/local tokens/s: {warm_ratio:.2f} (median of in-round ratios)")
     print("cold cache counts:", json.dumps({k: v for k, v in cold["stats"].items() if v}))
-    print(f"bucket, small cache ({small['shards']} shards of {small['shard_mb']:.2f} MB, cache "
-          f"half the dataset, shuffled, {LATENCY_S * 1000:.0f} ms a request, median of {repeats}): "
-          f"without fetches ahead of the order "
-          f"{small['without s']:.2f} s/epoch ({small['without downloads']} downloads), with "
-          f"{small['with s']:.2f} s ({small['with downloads']}): "
-          f"{small['without s'] / small['with s']:.2f}x faster")  # fmt: skip
+    print(
+        f"bucket, small cache ({small['shards']} shards of {small['shard_mb']:.2f} MB, cache "
+        f"half the dataset, shuffled, {LATENCY_S * 1000:.0f} ms a request, median of {repeats}): "
+        f"without fetches ahead of the order "
+        f"{small['without s']:.2f} s/epoch ({small['without downloads']} downloads), with "
+        f"{small['with s']:.2f} s ({small['with downloads']}): "
+        f"{small['without s'] / small['with s']:.2f}x faster"
+    )
     local_rate = results["local"]["tokens_per_s"]
     warm = results["bucket, warm"]
     return {
@@ -229,9 +244,14 @@ def run(work: Path, endpoint: str, shards: int, tokens: int, workers: int, repea
 
 
 def small_cache(
-    work: Path, endpoint: str, slow: str, workers: int, repeats: int, shards: int = 128,
+    work: Path,
+    endpoint: str,
+    slow: str,
+    workers: int,
+    repeats: int,
+    shards: int = 128,
     tokens: int = 32_768,
-) -> dict:  # fmt: skip
+) -> dict:
     """One shuffled epoch through a cache half the dataset's size, with and without the
     fetches ahead of the sample order (interleaved, each from an empty cache), read through
     `slow` (the server behind a round trip of LATENCY_S): seconds."""
@@ -251,8 +271,14 @@ def small_cache(
             for name, look in (("without", 0), ("with", saved)):
                 order_ahead.ORDER_LOOKAHEAD = look  # forked workers inherit it
                 cache = work / f"small-cache-{name}-{r}"
-                dataset = DatasetFactory.load("seq", url, window_size=WINDOW, cache_dir=cache,
-                                              cache_limit=size // 2, storage_options=options)  # fmt: skip
+                dataset = DatasetFactory.load(
+                    "seq",
+                    url,
+                    window_size=WINDOW,
+                    cache_dir=cache,
+                    cache_limit=size // 2,
+                    storage_options=options,
+                )
                 start = time.perf_counter()
                 epoch(dataset, workers)
                 times[name].append(time.perf_counter() - start)
@@ -261,10 +287,13 @@ def small_cache(
     finally:
         order_ahead.ORDER_LOOKAHEAD = saved
     return {
-        "shards": shards, "shard_mb": size / shards / 1e6,
-        "without s": statistics.median(times["without"]), "with s": statistics.median(times["with"]),
-        "without downloads": downloads["without"], "with downloads": downloads["with"],
-    }  # fmt: skip
+        "shards": shards,
+        "shard_mb": size / shards / 1e6,
+        "without s": statistics.median(times["without"]),
+        "with s": statistics.median(times["with"]),
+        "without downloads": downloads["without"],
+        "with downloads": downloads["with"],
+    }
 
 
 class Latency:
@@ -316,8 +345,11 @@ class Watch(threading.Thread):
         first = None
         deadline = time.perf_counter() + 600
         while time.perf_counter() < deadline:
-            got = sum(p.stat().st_size for p in self.cache.glob("*/shards/*/*.bin")
-                      if p.is_file()) if self.cache.is_dir() else 0  # fmt: skip
+            got = (
+                sum(p.stat().st_size for p in self.cache.glob("*/shards/*/*.bin") if p.is_file())
+                if self.cache.is_dir()
+                else 0
+            )
             now = time.perf_counter()
             if got and first is None:
                 first = now

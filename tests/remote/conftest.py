@@ -197,8 +197,15 @@ def datasets(s3_server, tmp_path_factory) -> dict[str, tuple[Path, str]]:
         Pipeline(cfg, [src], local, QWEN, workers=1, on_error="skip", progress=False).run()
         url = f"s3://datasets/{train_type}"
         Pipeline(
-            cfg, [src], url, QWEN, workers=1, on_error="skip", progress=False,
-            storage_options={"endpoint_url": s3_server}, staging_dir=folder / "staging",
-        ).run()  # fmt: skip
+            cfg,
+            [src],
+            url,
+            QWEN,
+            workers=1,
+            on_error="skip",
+            progress=False,
+            storage_options={"endpoint_url": s3_server},
+            staging_dir=folder / "staging",
+        ).run()
         out[train_type] = (local, url)
     return out

@@ -35,10 +35,14 @@ def load(kind, path, **kwargs):
 
 
 def loader(dataset, workers=2, seed=3):
-    roles = {"batch_size": 4} if dataset.train_type == "seq" else {
-        "batcher": SimpleBatcher(4), "collator": SFTPaddingCollator()}  # fmt: skip
-    return DataflowLoader(MapDistributor(dataset, seed=seed, num_epochs=1), num_workers=workers,
-                          **roles)  # fmt: skip
+    roles = (
+        {"batch_size": 4}
+        if dataset.train_type == "seq"
+        else {"batcher": SimpleBatcher(4), "collator": SFTPaddingCollator()}
+    )
+    return DataflowLoader(
+        MapDistributor(dataset, seed=seed, num_epochs=1), num_workers=workers, **roles
+    )
 
 
 def batches(loader_, stop=None):
@@ -106,8 +110,9 @@ def test_one_download_per_shard_per_machine(datasets, options, tmp_path):
 def test_the_first_item_does_not_wait_for_the_whole_dataset(datasets, options, tmp_path):
     local, url = datasets["seq"]
     limit = dataset_bytes(local) // 2  # the dataset does not fit: no background fill
-    store = MmapStore(window_size=256, cache_dir=tmp_path / "c", cache_limit=limit,
-                      storage_options=options)  # fmt: skip
+    store = MmapStore(
+        window_size=256, cache_dir=tmp_path / "c", cache_limit=limit, storage_options=options
+    )
     store.load(url)
     assert store.cache_stats().get("downloads", 0) == 0  # load reads metadata only
     reference = MmapStore(window_size=256).load(local)
@@ -126,15 +131,16 @@ def test_a_corrupted_object_is_fetched_again_then_refused_naming_the_shard(
     data = bytearray((local / "shard_00002" / "sequence.bin").read_bytes())
     data[10] ^= 0xFF  # same size, another byte
     fs.pipe(f"{bucket}/seq/shard_00002/sequence.bin", bytes(data))
-    store = MmapStore(window_size=256, cache_dir=tmp_path / "c", storage_options=options,
-                      prefetch=0)  # fmt: skip
+    store = MmapStore(
+        window_size=256, cache_dir=tmp_path / "c", storage_options=options, prefetch=0
+    )
     store.load(url)
     before = remote_module.STATS.refetches
     with pytest.raises(ValueError, match=r"shard_00002: sequence\.bin: size or xxh64 differs"):
         store.fetch(store._starts["sequence"][2], store._starts["sequence"][2] + 5, "sequence")
     assert remote_module.STATS.refetches == before + 1
     assert store.fetch(0, 5, "sequence").shape == (5,)  # the other shards read as ever
-    assert not (store.cache.dir / "shards" / "shard_00002" / "sequence.bin").exists()
+    assert not (store.source.cache.dir / "shards" / "shard_00002" / "sequence.bin").exists()
 
 
 def test_a_download_corrupted_on_the_way_is_fetched_again(datasets, options, tmp_path, monkeypatch):

@@ -114,8 +114,17 @@ def test_verify_inspect_and_show_take_a_url(datasets, options, bucket, tmp_path,
 # --- the lock in the bucket ----------------------------------------------------------------
 def run_to(url, options, staging, tmp_path):
     src = source("seq", tmp_path)
-    return Pipeline(small_config("seq"), [src], url, QWEN, workers=1, on_error="skip",
-                    progress=False, storage_options=options, staging_dir=staging)  # fmt: skip
+    return Pipeline(
+        small_config("seq"),
+        [src],
+        url,
+        QWEN,
+        workers=1,
+        on_error="skip",
+        progress=False,
+        storage_options=options,
+        staging_dir=staging,
+    )
 
 
 def test_moto_honours_conditional_puts(options, bucket):

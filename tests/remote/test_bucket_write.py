@@ -32,11 +32,20 @@ def local_run(tmp_path, train_type="sft"):
 
 def bucket_run(cfg, src, url, options, staging, **kwargs):
     return Pipeline(
-        cfg, [src], url, QWEN, workers=1, on_error="skip", progress=False,
-        storage_options=options, staging_dir=staging, **kwargs,
-    ).run()  # fmt: skip
+        cfg,
+        [src],
+        url,
+        QWEN,
+        workers=1,
+        on_error="skip",
+        progress=False,
+        storage_options=options,
+        staging_dir=staging,
+        **kwargs,
+    ).run()
 
 
+@pytest.mark.slow  # an S3 server
 def test_local_engine_uploads_arrays_then_meta_then_the_manifest_last(
     tmp_path, bucket, options, monkeypatch
 ):
@@ -81,8 +90,20 @@ def test_the_cli_writes_a_url_to_the_bucket_not_to_a_local_folder(
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     url = f"s3://{bucket}/seq/"
-    argv = ["preprocess", str(src), "-o", url, "--type", "seq", "--tokenizer", str(QWEN),
-            "--workers", "1", "--storage-option", f"endpoint_url={s3_server}"]  # fmt: skip
+    argv = [
+        "preprocess",
+        str(src),
+        "-o",
+        url,
+        "--type",
+        "seq",
+        "--tokenizer",
+        str(QWEN),
+        "--workers",
+        "1",
+        "--storage-option",
+        f"endpoint_url={s3_server}",
+    ]
     assert main(argv) == 0
     assert not (tmp_path / "s3:").exists()
     fs = fsspec.filesystem("s3", endpoint_url=s3_server, skip_instance_cache=True)
@@ -91,8 +112,23 @@ def test_the_cli_writes_a_url_to_the_bucket_not_to_a_local_folder(
     capsys.readouterr()
     assert main(argv) == 0  # the same job again: already done, left as it is
     assert "records read" in capsys.readouterr().out
-    assert main(["preprocess", str(src), "-o", url, "--type", "sft", "--tokenizer", str(QWEN),
-                 "--storage-option", f"endpoint_url={s3_server}"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "preprocess",
+                str(src),
+                "-o",
+                url,
+                "--type",
+                "sft",
+                "--tokenizer",
+                str(QWEN),
+                "--storage-option",
+                f"endpoint_url={s3_server}",
+            ]
+        )
+        == 2
+    )
     assert "holds other data" in capsys.readouterr().err
 
 
@@ -160,25 +196,43 @@ def test_a_bad_record_leaves_nothing_in_the_bucket(tmp_path, bucket, options):
     src.write_text(src.read_text() + '{"conversations": 7}\n')
     url = f"s3://{bucket}/bad"
     with pytest.raises(RecordError):
-        Pipeline(small_config("sft"), [src], url, QWEN, workers=1, progress=False,
-                 storage_options=options, staging_dir=tmp_path / "s").run()  # fmt: skip
+        Pipeline(
+            small_config("sft"),
+            [src],
+            url,
+            QWEN,
+            workers=1,
+            progress=False,
+            storage_options=options,
+            staging_dir=tmp_path / "s",
+        ).run()
     assert Remote(url, options).listing() == {}
 
 
 def test_only_the_unbroken_run_of_complete_shards_counts_as_published():
     listing = {
-        "d/shard_00000/meta.json": 1, "d/shard_00000/sequence.bin": 1,
+        "d/shard_00000/meta.json": 1,
+        "d/shard_00000/sequence.bin": 1,
         "d/shard_00001/sequence.bin": 1,  # no meta.json: not published
         "d/shard_00002/meta.json": 1,  # after a gap
-        "shard_00000/meta.json": 1, "shard_00001/meta.json": 1,
-        "p/part_00000.jsonl": 1, "p/part_00002.jsonl": 1,
-        ".tokenmill-run/run_id": 1, "manifest.json": 1,
-    }  # fmt: skip
+        "shard_00000/meta.json": 1,
+        "shard_00001/meta.json": 1,
+        "p/part_00000.jsonl": 1,
+        "p/part_00002.jsonl": 1,
+        ".tokenmill-run/run_id": 1,
+        "manifest.json": 1,
+    }
     published, stale = _published_in(listing)
-    assert published == {"d": ["shard_00000"], "": ["shard_00000", "shard_00001"],
-                         "p": ["part_00000.jsonl"]}  # fmt: skip
-    assert sorted(stale) == ["d/shard_00001/sequence.bin", "d/shard_00002/meta.json",
-                             "p/part_00002.jsonl"]  # fmt: skip
+    assert published == {
+        "d": ["shard_00000"],
+        "": ["shard_00000", "shard_00001"],
+        "p": ["part_00000.jsonl"],
+    }
+    assert sorted(stale) == [
+        "d/shard_00001/sequence.bin",
+        "d/shard_00002/meta.json",
+        "p/part_00002.jsonl",
+    ]
 
 
 def test_a_url_that_lost_a_slash_is_refused(tmp_path):
@@ -196,8 +250,23 @@ def test_a_killed_cli_run_resumes_from_the_bucket(tmp_path, bucket, s3_server):
     cfg_path.write_text(cfg.model_dump_json())
     url = f"s3://{bucket}/sft"
     env = {**os.environ, "AWS_ENDPOINT_URL": s3_server, "TMPDIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "tokenmill", "preprocess", str(src), "-o", url, "-c",
-           str(cfg_path), "--tokenizer", str(QWEN), "--workers", "1", "--on-error", "skip"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill",
+        "preprocess",
+        str(src),
+        "-o",
+        url,
+        "-c",
+        str(cfg_path),
+        "--tokenizer",
+        str(QWEN),
+        "--workers",
+        "1",
+        "--on-error",
+        "skip",
+    ]
     fs = fsspec.filesystem("s3", endpoint_url=s3_server, skip_instance_cache=True)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -238,8 +307,18 @@ def test_the_ray_engine_writes_the_same_bytes_to_the_bucket(
     monkeypatch.setattr(ray_engine, "one_node", lambda ray: writes == "driver")
     src, cfg, local = local_run(tmp_path)
     url = f"s3://{bucket}/ray-{writes}"
-    Pipeline(cfg, [src], url, QWEN, workers=1, on_error="skip", engine="ray", progress=False,
-             storage_options=options, staging_dir=tmp_path / "staging").run()  # fmt: skip
+    Pipeline(
+        cfg,
+        [src],
+        url,
+        QWEN,
+        workers=1,
+        on_error="skip",
+        engine="ray",
+        progress=False,
+        storage_options=options,
+        staging_dir=tmp_path / "staging",
+    ).run()
     got = download(url, options, tmp_path / "got")
     assert files_of(got) == files_of(local)
     assert verify_dataset(got) == []

@@ -87,8 +87,18 @@ def concatenated(key):
 # --- window maths ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "tokens, window, stride, count",
-    [(10, 4, 4, 2), (9, 4, 4, 2), (8, 4, 4, 1), (5, 4, 4, 1), (4, 4, 4, 0), (0, 4, 4, 0), (10, 4, 2, 3), (10, 4, 6, 1), (98, 8, 5, 18)],
-)  # fmt: skip
+    [
+        (10, 4, 4, 2),
+        (9, 4, 4, 2),
+        (8, 4, 4, 1),
+        (5, 4, 4, 1),
+        (4, 4, 4, 0),
+        (0, 4, 4, 0),
+        (10, 4, 2, 3),
+        (10, 4, 6, 1),
+        (98, 8, 5, 18),
+    ],
+)
 def test_window_count(tokens, window, stride, count):
     assert window_count(tokens, window, stride) == count
 
@@ -268,10 +278,16 @@ def seed_shard(folder: Path, arrays: dict, offsets: dict) -> None:
 
 
 def test_seed_style_shards_load(tmp_path):
-    seed_shard(tmp_path / "dpo" / "0", {"chosen": np.arange(6, dtype=np.int32), "rejected": np.arange(3, dtype=np.int64)},
-               {"chosen": [0, 2, 6], "rejected": [0, 1, 3]})  # fmt: skip
-    seed_shard(tmp_path / "dpo" / "1", {"chosen": np.arange(2, dtype=np.int32), "rejected": np.arange(9, dtype=np.int64)},
-               {"chosen": [0, 2], "rejected": [0, 9]})  # fmt: skip
+    seed_shard(
+        tmp_path / "dpo" / "0",
+        {"chosen": np.arange(6, dtype=np.int32), "rejected": np.arange(3, dtype=np.int64)},
+        {"chosen": [0, 2, 6], "rejected": [0, 1, 3]},
+    )
+    seed_shard(
+        tmp_path / "dpo" / "1",
+        {"chosen": np.arange(2, dtype=np.int32), "rejected": np.arange(9, dtype=np.int64)},
+        {"chosen": [0, 2], "rejected": [0, 9]},
+    )
     store = StoreFactory.create("bin").load(tmp_path / "dpo")
     assert store.num_records == 3 and store.fetch_record(1, "chosen").tolist() == [2, 3, 4, 5]
     assert store.fetch_record(2, "rejected").tolist() == list(range(9))
@@ -300,8 +316,14 @@ def test_offsets_beyond_2_32_tokens(tmp_path):
             f.seek(s * 4)
             f.write(np.arange(7, 12, dtype="<i4").tobytes())
     np.array(starts, "<i8").tofile(shard / "sequence.offsets.bin")
-    meta = {"sequence": {"shape": [n], "dtype": "int32", "nbytes": n * 4,
-                         "offsets": {"file": "sequence.offsets.bin", "count": len(starts)}}}  # fmt: skip
+    meta = {
+        "sequence": {
+            "shape": [n],
+            "dtype": "int32",
+            "nbytes": n * 4,
+            "offsets": {"file": "sequence.offsets.bin", "count": len(starts)},
+        }
+    }
     (shard / "meta.json").write_text(json.dumps(meta))
     store = StoreFactory.create("bin", window_size=2**20).load(tmp_path)
     assert store.token_count == n and store.num_records == 5
@@ -500,8 +522,11 @@ def test_jsonl_dataset_config_beside_the_data(tmp_path):
     from tokenmill.preprocess.document.masking import RecordMasker
 
     path = chats(tmp_path, 3)
-    config = {"input": {"sections": [{"field": "messages", "template": True, "action": "train"}]},
-              "preprocessing": {"min_chars": 1}, "output": {"position_ids_mode": "none"}}  # fmt: skip
+    config = {
+        "input": {"sections": [{"field": "messages", "template": True, "action": "train"}]},
+        "preprocessing": {"min_chars": 1},
+        "output": {"position_ids_mode": "none"},
+    }
     relative = str(TOKENIZER.relative_to(ROOT))
     (tmp_path / "dataset_config.json").write_text(
         json.dumps({**config, "tokenizer_path": relative})
@@ -579,16 +604,18 @@ def test_an_unfinished_run_is_refused_and_unlisted_shards_ignored(tmp_path):
     ).run()
     whole = MmapStore().load(out)
     shutil.copytree(out / "shard_00000", out / "backup" / "shard_00000")
-    with pytest.warns(UserWarning, match=r"does not list: \['backup/shard_00000'\]"):
+    with pytest.warns(UserWarning, match=r"does not list: \['backup/shard_00000'\]") as said:
         again = MmapStore().load(out)
+    assert [w.filename for w in said] == [__file__]  # the warning names the caller of load
     assert again.token_count == whole.token_count and again.num_records == whole.num_records
     (out / "manifest.json").rename(tmp_path / "manifest.json")  # as a killed run leaves it
     (out / ".tokenmill-run").mkdir()
     shutil.rmtree(out / "backup")
     with pytest.raises(ValueError, match="has not finished .* re-run the same preprocess command"):
         MmapStore().load(out)
-    with pytest.warns(UserWarning, match="unfinished run"):
+    with pytest.warns(UserWarning, match="unfinished run") as said:
         assert MmapStore().load(out, allow_partial=True).token_count == whole.token_count
+    assert [w.filename for w in said] == [__file__]
 
 
 def test_an_edited_meta_json_is_caught_at_load_and_by_verify(tmp_path):

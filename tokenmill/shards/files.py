@@ -1,13 +1,18 @@
-"""Durable writes: the one way tokenmill puts bytes on disk.
+"""Files that other processes read at the same time: written durably, locked one at a time.
 
 Every file is written whole and fsynced before it becomes visible: shards and JSONL parts are
 written aside and published by rename (`publish`), single files are replaced at once
-(`write_atomic`), so a reader never sees half of anything.
+(`write_atomic`), so a reader never sees half of anything. Where processes must take turns
+(a run's output folder, a shard in the machine's cache), they hold the file lock of
+`locked`, which the kernel drops when its holder dies, however it dies.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -63,3 +68,36 @@ def file_checksum(path: Path) -> str:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+@contextmanager
+def locked(
+    path: Path,
+    exclusive: bool = True,
+    wait: bool = True,
+    parents: bool = True,
+    mode: int = 0o666,
+) -> Iterator[int]:
+    """`path`'s lock (flock), exclusive or shared, held until the block ends. Without `wait`,
+    a lock another process holds raises BlockingIOError at once. The file is made where
+    missing (its folder too, with `parents`; without, FileNotFoundError) and never removed,
+    so that every process locks the same file. Yields its descriptor (`relock` changes the
+    lock it holds)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    except FileNotFoundError:
+        if not parents:
+            raise
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    try:
+        relock(fd, exclusive, wait)
+        yield fd
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def relock(fd: int, exclusive: bool = True, wait: bool = True) -> None:
+    """The lock held on a `locked` file made exclusive (or shared), as `locked` takes it."""
+    kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    fcntl.flock(fd, kind if wait else kind | fcntl.LOCK_NB)

@@ -30,16 +30,26 @@ def listed(manifest: dict) -> list[tuple[str, dict]]:
 
 
 def read_manifest(root: Path) -> dict | None:
+    """A dataset folder's manifest.json (`parse_manifest`), None where it has none."""
     path = Path(root) / "manifest.json"
     if not path.exists():
         return None
+    return parse_manifest(path.read_bytes(), path)
+
+
+def parse_manifest(data: bytes, where: str | Path) -> dict:
+    """manifest.json's bytes, wherever they were read (a folder, a bucket), refused when they
+    are not a JSON object or were written by a newer tokenmill (its format_version); `where`
+    names the file in messages."""
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(data)
     except ValueError as err:
-        raise ValueError(f"{path}: not valid JSON: {err}") from None
+        raise ValueError(f"{where}: not valid JSON: {err}") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(manifest).__name__}")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(
-            f"{path}: format_version {manifest['format_version']} is newer than this "
+            f"{where}: format_version {manifest['format_version']} is newer than this "
             f"tokenmill reads ({FORMAT_VERSION}); upgrade tokenmill"
         )
     return manifest

@@ -44,8 +44,12 @@ class BucketLock:
         self.stale_s = STALE_S if stale_s is None else stale_s
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "boot": _boot_id(),
-                       "started": started}  # fmt: skip
+        self.holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "boot": _boot_id(),
+            "started": started,
+        }
         self.lost = False
         self.refreshed = time.monotonic()  # when the server last took our write
         self._writing = threading.Lock()  # one write of the lock at a time (run and heartbeat)
@@ -69,8 +73,12 @@ class BucketLock:
             return "advisory"
         bucket, key = self._key()
         try:
-            out = retrying(f"put {self.remote.where(LOCK)}", lambda: self.remote.fs.call_s3(
-                "put_object", Bucket=bucket, Key=key, Body=self._body(), **condition))  # fmt: skip
+            out = retrying(
+                f"put {self.remote.where(LOCK)}",
+                lambda: self.remote.fs.call_s3(
+                    "put_object", Bucket=bucket, Key=key, Body=self._body(), **condition
+                ),
+            )
         except FileNotFoundError:  # If-Match on a lock that is gone (404)
             return None
         except OSError as err:  # 412 Precondition Failed (s3fs: FileExistsError or EINVAL)
@@ -85,8 +93,10 @@ class BucketLock:
             if not self._s3:
                 return json.loads(self.remote.cat(LOCK)), None, 0.0
             bucket, key = self._key()
-            head = retrying(f"stat {self.remote.where(LOCK)}", lambda: self.remote.fs.call_s3(
-                "head_object", Bucket=bucket, Key=key))  # fmt: skip
+            head = retrying(
+                f"stat {self.remote.where(LOCK)}",
+                lambda: self.remote.fs.call_s3("head_object", Bucket=bucket, Key=key),
+            )
             body = json.loads(self.remote.cat(LOCK))
         except FileNotFoundError:
             return None
@@ -109,8 +119,12 @@ class BucketLock:
                 self.etag, self.refreshed = etag, time.monotonic()  # ours: a retried put
                 break
             if etag is not None and (age > self.stale_s or self._dead_here(holder)):
-                log.warning("%s: taking over a stale lock (%s, last written %.0f s ago)",
-                            self.remote.where(LOCK), describe(holder), age)  # fmt: skip
+                log.warning(
+                    "%s: taking over a stale lock (%s, last written %.0f s ago)",
+                    self.remote.where(LOCK),
+                    describe(holder),
+                    age,
+                )
                 self.etag = self._put(IfMatch=etag)
                 if self.etag is not None:
                     self.refreshed = time.monotonic()

@@ -20,7 +20,6 @@ matches; a file or folder removed under a running job is fetched again.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -28,17 +27,17 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import xxhash
 
-from tokenmill.shards.files import file_checksum
+from tokenmill.shards.files import file_checksum, locked, relock
 from tokenmill.shards.format import Column
 from tokenmill.shards.reader import map_shard, read_meta
 from tokenmill.storage.cache_files import (
     CacheStats,
+    lock_file,
     map_keys,
     matches,
     meta_ok,
@@ -223,7 +222,7 @@ class ShardCache:
         lock, checked again first); the shard marked as just used. Returns its folder."""
         shard = self.dir / "shards" / rel
         if self._check(shard, files):
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one download per machine
+            relock(lock)  # exclusive: one download per machine
             bad = self._check(shard, files)
             if bad:
                 self._download(rel, shard, bad)
@@ -303,20 +302,9 @@ class ShardCache:
         self._save_stats()
 
     # --- locks ---------------------------------------------------------------------------
-    @contextmanager
-    def _locked(self, rel: str, exclusive: bool, wait: bool = True) -> Iterator[int]:
-        path = self.dir / "locks" / (rel.replace("/", "__") + ".lock")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except FileNotFoundError:  # the cache folder was removed: make it again
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-            fcntl.flock(fd, mode if wait else mode | fcntl.LOCK_NB)
-            yield fd
-        finally:
-            os.close(fd)  # releases the lock
+    def _locked(self, rel: str, exclusive: bool, wait: bool = True) -> AbstractContextManager[int]:
+        """Shard `rel`'s lock (made again where the cache folder was removed)."""
+        return locked(lock_file(self.dir, rel), exclusive, wait)
 
     # --- eviction ------------------------------------------------------------------------
     def _make_room(self, need: int, keep: Path) -> None:
@@ -339,8 +327,11 @@ class ShardCache:
             self._warned = True
             log.warning(
                 "%s: the cache holds %d bytes in shards being read; the limit of %d is passed "
-                "until they are released", self.root, total + need, self.limit,
-            )  # fmt: skip
+                "until they are released",
+                self.root,
+                total + need,
+                self.limit,
+            )
 
     def usage(self) -> list[tuple[float, Path, Path, int]]:
         """(last use, shard folder, its dataset folder, bytes) of every shard in the folder."""

@@ -1,6 +1,6 @@
-"""A shard's files in the local cache: which files a shard's keys need, the (size, mtime,
-inode) stamps kept when each was checked (`.checked`), a file's check against its meta.json,
-some keys of a shard mapped, and the cache's counts (per process, kept on disk)."""
+"""A shard's files in the local cache: which files a shard's keys need, its lock file, the
+(size, mtime, inode) stamps kept when each was checked (`.checked`), a file's check against
+its meta.json, some keys of a shard mapped, and the cache's counts (per process, on disk)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def shard_files(meta: dict, keys: list[str] | None = None, values: bool = True) 
                 size = bounds["count"] * OFFSET_DTYPE.itemsize
                 files.append((bounds["file"], size, bounds.get("xxh64")))
     return files
+
+
+def lock_file(dataset: Path, rel: str) -> Path:
+    """The file whose lock (`shards.files.locked`) guards shard `rel` of a cached dataset:
+    readers hold it shared, a download and an eviction exclusive."""
+    return dataset / "locks" / (rel.replace("/", "__") + ".lock")
 
 
 class CacheStats:

@@ -5,14 +5,14 @@ keeps (the shard it downloads, the shards its sample order reads next)."""
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 import uuid
 from collections.abc import Container
 from pathlib import Path
 
-from tokenmill.storage.cache_files import CHECKED
+from tokenmill.shards.files import locked
+from tokenmill.storage.cache_files import CHECKED, lock_file
 
 
 def usage(root: Path) -> list[tuple[float, Path, Path, int]]:
@@ -55,22 +55,15 @@ def evict(
         if folder in keep:
             continue
         rel = folder.relative_to(dataset / "shards").as_posix()
-        lock = dataset / "locks" / (rel.replace("/", "__") + ".lock")
+        trash = root / ".trash" / uuid.uuid4().hex
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            trash = root / ".trash" / uuid.uuid4().hex
-            trash.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(folder, trash)
-        except OSError as err:  # in use (EWOULDBLOCK) or already gone
+            with locked(lock_file(dataset, rel), wait=False, parents=False):
+                trash.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(folder, trash)
+        except OSError as err:  # in use (EWOULDBLOCK), already gone, or its lock folder
             if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.ENOENT):
                 raise
             continue
-        finally:
-            os.close(fd)
         shutil.rmtree(trash, ignore_errors=True)
         total -= size
         evicted.append((dataset, rel))

@@ -12,7 +12,7 @@ end when the store that started them is collected (`close`).
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import logging
 import os
 import queue
@@ -22,6 +22,8 @@ from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+from tokenmill.shards.files import locked
 
 log = logging.getLogger("tokenmill.cache")
 
@@ -106,27 +108,23 @@ class Prefetcher:
         ).start()
 
     def _fill(self, views: list[int], lock: Path) -> None:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return  # another process of the machine fills
-        slots = threading.Semaphore(self.threads)
-        running: list[Future] = []
-        try:
-            for view in views:
-                slots.acquire()
-                if self.closed:
-                    return
-                future: Future = Future()
-                future.add_done_callback(lambda _: slots.release())
-                self.tasks.put((future, view, False))
-                running.append(future)
-            for future in running:
-                future.result()
-        except Exception as err:  # a read that needs the shard will fetch it and raise
-            log.warning("background fill stopped: %r", err)
-        finally:
-            os.close(fd)
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(locked(lock, wait=False))
+            except BlockingIOError:
+                return  # another process of the machine fills
+            slots = threading.Semaphore(self.threads)
+            running: list[Future] = []
+            try:
+                for view in views:
+                    slots.acquire()
+                    if self.closed:
+                        return
+                    future: Future = Future()
+                    future.add_done_callback(lambda _: slots.release())
+                    self.tasks.put((future, view, False))
+                    running.append(future)
+                for future in running:
+                    future.result()
+            except Exception as err:  # a read that needs the shard will fetch it and raise
+                log.warning("background fill stopped: %r", err)

@@ -64,20 +64,19 @@ os.register_at_fork(after_in_child=STATS.reset)  # a forked worker counts its ow
 
 
 # --- transient or not -----------------------------------------------------------------------
-_TRANSIENT_NAMES = {
+_TRANSIENT_NAMES = set(
     # botocore / aiobotocore
-    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
-    "ConnectTimeoutError", "ResponseStreamingError", "IncompleteReadError",
-    "HTTPClientError", "ProxyConnectionError", "ResponseParserError",
+    "EndpointConnectionError ConnectionClosedError ReadTimeoutError ConnectTimeoutError "
+    "ResponseStreamingError IncompleteReadError HTTPClientError ProxyConnectionError "
+    "ResponseParserError "
     # aiohttp, http.client, urllib3, fsspec
-    "ServerDisconnectedError", "ClientPayloadError", "ClientOSError",
-    "ClientConnectionError", "ServerTimeoutError", "IncompleteRead", "RemoteDisconnected",
-    "ProtocolError", "FSTimeoutError",
-}  # fmt: skip
-_TRANSIENT_CODES = {
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-    "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504",
-}  # fmt: skip
+    "ServerDisconnectedError ClientPayloadError ClientOSError ClientConnectionError "
+    "ServerTimeoutError IncompleteRead RemoteDisconnected ProtocolError FSTimeoutError".split()
+)
+_TRANSIENT_CODES = set(
+    "SlowDown ServiceUnavailable InternalError RequestTimeout Throttling ThrottlingException "
+    "RequestTimeTooSkewed 503 500 502 504".split()
+)
 
 
 def is_transient(err: BaseException) -> bool:
@@ -366,9 +365,9 @@ def parse_size(size: int | str | None) -> int | None:
     if size is None or isinstance(size, int):
         return size
     text = str(size).strip().upper().replace(" ", "")
-    units = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 10**6, "MB": 10**6, "G": 10**9,
-             "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
-             "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+    units = {"": 1, "B": 1, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    for power, prefix in enumerate("KMGT", start=1):
+        units[prefix] = units[prefix + "B"] = 1000**power
     number = text.rstrip("KMGTIB")
     try:
         return int(float(number) * units[text[len(number) :]])

@@ -1,21 +1,18 @@
-"""The dataset tools on a dataset in object storage (`tokenmill verify|inspect|show URL`).
+"""The dataset tools on a folder or a URL alike (`tokenmill verify|inspect|show DATASET`).
 
-`verify` and `inspect` read every shard: the prefix is downloaded object by object, as it
-is, to a temporary folder (nothing checked on the way, so that verify finds what is wrong)
-and the local tool runs on that copy, its messages naming the URL. `show` reads one record
-through the store's shard cache (a temporary one), so it downloads one shard.
+`verify` and `inspect` read every shard: a URL's prefix is downloaded object by object, as
+it is, to a temporary folder (nothing checked on the way, so that verify finds what is
+wrong) and the local tool runs on that copy, its messages naming the URL. `show` reads one
+record through a store (a URL's through a temporary shard cache: one shard downloaded).
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from tokenmill.storage.remote import Remote, is_url
+from tokenmill.storage.location import dataset_folder
 
 
 def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
@@ -32,31 +29,13 @@ def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-@contextmanager
-def local_copy(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[Path]:
-    """Every object below `url`, downloaded as it is to a temporary folder (removed after)."""
-    remote = Remote(url, storage_options)
-    listing = remote.listing()
-    if not listing:
-        raise FileNotFoundError(f"{remote.url}: no object below it")
-    with tempfile.TemporaryDirectory(prefix="tokenmill-copy-") as tmp:
-        root = Path(tmp) / "dataset"
-        pairs = [(rel, root / rel) for rel in sorted(listing)]
-        for _, path in pairs:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        remote.get(pairs, [listing[rel] for rel, _ in pairs])
-        yield root
-
-
 def verify(dataset: str, storage_options: dict[str, Any] | None = None) -> list[str]:
     """`verify_dataset` of a folder or of a URL (on a downloaded copy, problems naming the URL):
     every object's size and checksum against its meta.json, meta.json's against the manifest."""
     from tokenmill.shards.verify import verify_dataset
 
-    if not is_url(dataset):
-        return verify_dataset(Path(dataset))
-    with local_copy(dataset, storage_options) as root:
-        return [p.replace(str(root), dataset.rstrip("/")) for p in verify_dataset(root)]
+    with dataset_folder(dataset, storage_options) as (root, named):
+        return [named(p) for p in verify_dataset(root)]
 
 
 def inspect(
@@ -65,31 +44,26 @@ def inspect(
     """`dataset_stats` of a folder or of a URL (on a downloaded copy); with `plot`, its picture."""
     from tokenmill.tools.inspect import dataset_stats, plot_stats
 
-    if not is_url(dataset):
-        stats = dataset_stats(dataset)
-        if plot:
-            plot_stats(dataset, stats, plot)
-        return stats
-    with local_copy(dataset, storage_options) as root:
+    with dataset_folder(dataset, storage_options) as (root, named):
         stats = dataset_stats(root)
-        stats["path"] = dataset
+        stats["path"] = named(stats["path"])
         if plot:
             plot_stats(root, stats, plot)
     return stats
 
 
-def record_from_url(
-    url: str, index: int, storage_options: dict[str, Any] | None = None
+def record_at(
+    dataset: str, index: int, storage_options: dict[str, Any] | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Record `index` of a dataset in object storage (one shard downloaded, to a temporary
-    cache) and its manifest ({} for seed-style shards without one)."""
+    """Record `index` of a dataset of shards, a folder or a URL (one shard downloaded, to a
+    temporary cache), and its manifest ({} for seed-style shards without one)."""
     from tokenmill.training.mmap_store import MmapStore  # torch: only when reading shards
 
     with tempfile.TemporaryDirectory(prefix="tokenmill-show-") as cache:
         store = MmapStore(cache_dir=cache, storage_options=storage_options, prefetch=0)
-        store.load(url)
+        store.load(dataset)
         if not 0 <= index < store.num_records:
-            raise IndexError(f"{url}: index {index} out of range [0, {store.num_records})")
+            raise IndexError(f"{dataset}: index {index} out of range [0, {store.num_records})")
         record = {k: _copy(v) for k, v in store.fetch_record(index, store.keys).items()}
         return record, store.manifest or {}
 

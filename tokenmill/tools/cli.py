@@ -19,6 +19,7 @@ from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.engines.engine import ENGINES
 from tokenmill.preprocess.inputs.records import ON_ERROR
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS, default_config
+from tokenmill.storage.location import output_folder
 from tokenmill.tools.bucket import parse_storage_options
 
 
@@ -166,18 +167,6 @@ def use_color(choice: str) -> bool:
     return choice == "always" or (choice == "auto" and sys.stdout.isatty())
 
 
-def output_folder(path: str) -> Path:
-    """An output folder's path, refused at once when a file is in its place."""
-    if "://" in path:
-        raise ValueError(f"output {path}: this command writes a local folder, not a URL")
-    out = Path(path)
-    for folder in (out, *out.absolute().parents):
-        if folder.exists() and not folder.is_dir():
-            where = "" if folder == out else f": {folder}"
-            raise NotADirectoryError(f"output {out}{where} is a file, not a folder")
-    return out
-
-
 def print_result(result: dict[str, Any], as_json: bool, text: str) -> None:
     print(json.dumps(result, indent=2) if as_json else text)
 
@@ -204,11 +193,10 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         data["input"]["text_unit"] = "line"
         config = PipelineConfig.from_dict(data)
     options = parse_storage_options(args.storage_option)
-    url = "://" in args.output  # a bucket: kept as a string (a Path would merge its //)
     summary = Pipeline(
         config,
         args.inputs,
-        output_dir=args.output if url else output_folder(args.output),
+        output_dir=args.output,  # a folder (checked as output_folder checks it) or a URL
         tokenizer_path=args.tokenizer,
         workers=args.workers,
         on_error=args.on_error,

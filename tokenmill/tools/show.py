@@ -1,13 +1,12 @@
 """One sample decoded back to text, trained and masked tokens told apart (`tokenmill show`).
 
-Works on shards (via MmapStore) and on raw records with a config and tokenizer,
-so a template can be checked before a whole corpus is preprocessed.
+Works on shards (via MmapStore: a folder, or a URL) and on raw records with a config and a
+tokenizer, so a template can be checked before a whole corpus is preprocessed.
 """
 
 from __future__ import annotations
 
 from itertools import islice
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.document.masking import RecordMasker
 from tokenmill.preprocess.inputs.files import list_inputs
 from tokenmill.preprocess.inputs.records import read_records
+from tokenmill.storage.source import holds_shards
 
 GREEN, DIM, BOLD, RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
 
@@ -102,17 +102,6 @@ def format_sample(
     return "\n".join(lines)
 
 
-def sample_from_shards(root: str | Path, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Record `index` of a shard dataset (all keys) and its manifest ({} without one)."""
-    from tokenmill.training.mmap_store import MmapStore  # torch: only when reading shards
-
-    store = MmapStore().load(root)
-    if not 0 <= index < store.num_records:
-        raise IndexError(f"{root}: index {index} out of range [0, {store.num_records})")
-    record = store.fetch_record(index, store.keys)
-    return record, getattr(store, "manifest", None) or {}
-
-
 def sample_from_records(
     paths: list[str], index: int, config: PipelineConfig, bundle: TokenizerBundle
 ) -> dict:
@@ -138,15 +127,10 @@ def show(
 ) -> str:
     """Sample `index` of a dataset folder, a dataset at a URL (s3://..., one shard downloaded)
     or raw records (with a config and a tokenizer), decoded."""
-    path = Path(target)
-    url = "://" in target
-    if url or (path.is_dir() and any(path.rglob("meta.json"))):
-        if url:
-            from tokenmill.tools.bucket import record_from_url
+    if holds_shards(target):
+        from tokenmill.tools.bucket import record_at
 
-            sample, manifest = record_from_url(target, index, storage_options)
-        else:
-            sample, manifest = sample_from_shards(path, index)
+        sample, manifest = record_at(target, index, storage_options)
         tokenizer = tokenizer or manifest.get("tokenizer_path")
         if tokenizer is None:
             raise ValueError(f"{target}: the manifest names no tokenizer; pass --tokenizer")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.manifest import read_manifest
-from tokenmill.storage.remote import is_url
+from tokenmill.storage.source import through_cache
 from tokenmill.training.datasets import BaseDataset, SEQDataset, SFTDataset
 from tokenmill.training.factory import StoreFactory, detect_format
 from tokenmill.training.record_datasets import DPODataset, GRPODataset, KTODataset
@@ -123,7 +123,7 @@ class DatasetFactory:
 def _load_store(train_type: str, load_path: str | Path, options: StoreOptions) -> Any:
     storage_type = options.storage_type
     tokenizer_path = options.tokenizer_path
-    if is_url(load_path):
+    if through_cache(load_path):
         if storage_type not in (None, "bin"):
             raise ValueError(
                 f"{load_path}: a dataset in object storage is read as bin shards, "

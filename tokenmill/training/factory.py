@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.format import is_tmp
-from tokenmill.storage.remote import is_url
+from tokenmill.storage.source import through_cache
 from tokenmill.training.jsonl_store import JsonlStore
 from tokenmill.training.mmap_store import MmapStore
 from tokenmill.training.store import Store
@@ -15,7 +15,7 @@ from tokenmill.training.store import Store
 def detect_format(path: str | Path) -> str:
     """'bin' for a folder of shards, 'jsonl' for a .jsonl file or a folder of them; a URL is
     'bin' (object storage holds shard datasets, read through MmapStore's cache)."""
-    if is_url(path):
+    if through_cache(path):
         return "bin"
     path = Path(path)
     if path.is_file():
@@ -40,12 +40,7 @@ def detect_format(path: str | Path) -> str:
 # --- choosing a store by name ------------------------------------------------------------------
 STORE_OPTIONS = ("window_size", "stride")
 SHARD_OPTIONS = ("integrity",)  # MmapStore's: what it checks of a shard at first read
-REMOTE_OPTIONS = (
-    "cache_dir",
-    "cache_limit",
-    "storage_options",
-    "prefetch",
-)  # MmapStore's, for URLs
+REMOTE_OPTIONS = ("cache_dir", "cache_limit", "storage_options", "prefetch")  # for URLs
 
 
 STORES: dict[str, type[Store]] = {"bin": MmapStore, "jsonl": JsonlStore}

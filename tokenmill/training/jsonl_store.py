@@ -21,7 +21,8 @@ import numpy as np
 from tokenmill.shards.buffers import ShardBuffer
 from tokenmill.shards.format import is_list_value, is_tmp
 from tokenmill.shards.manifest import listed, read_manifest
-from tokenmill.training.store import ShardView, Store, Transform, as_tensors, cumulative
+from tokenmill.training.open_views import ShardView
+from tokenmill.training.store import Store, Transform, as_tensors, cumulative
 
 
 class JsonlStore(Store):

@@ -1,6 +1,7 @@
 """Shards fetched ahead of a sample order: the positions a distributor reads next, mapped to
-their items (`training.state.order_at`) and handed to the store, which fetches the shards
-holding them (`MmapStore.fetch_ahead`). Nothing to do for shards on local disk."""
+their items (`training.order.order_at`) and handed to the store, which has its shard source
+fetch the shards holding them (`MmapStore.fetch_ahead`). Nothing to do for shards on local
+disk, nor for a source without prefetch threads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.training.state import order_at, worker_of
+from tokenmill.training.order import order_at, worker_of
 
 ORDER_LOOKAHEAD = 128  # positions of the sample order whose shards are fetched ahead (0: off)
 LOOK_EVERY = 32  # positions read between two looks ahead
@@ -18,15 +19,16 @@ AHEAD_SHARE = 0.5  # of the cache limit, for the shards looked ahead at (all wor
 def order_read_ahead(
     dataset: Any, seed: int, shuffle: bool, share: tuple[int, int, int] | None = None
 ) -> OrderReadAhead | None:
-    """What fetches a dataset's shards ahead of its sample order (`training.state.order_at`),
+    """What fetches a dataset's shards ahead of its sample order (`training.order.order_at`),
     or None where there is nothing to fetch (shards on local disk, prefetch=0). `share`:
     (worker, workers, block) when a loader worker reads blocks worker, worker + workers, ...
     of the indices (`dataflow.distributors.worker_share`): each fetches ahead what it reads;
     block 0 (packing: every worker walks every index), worker 0 fetches ahead for all."""
     store = getattr(dataset, "store", None)
-    if ORDER_LOOKAHEAD <= 0 or getattr(store, "cache", None) is None:
+    source = getattr(store, "source", None)  # storage.source.ShardSource
+    if ORDER_LOOKAHEAD <= 0 or source is None or not source.prefetches:
         return None
-    if not getattr(store, "prefetch", 0) or not hasattr(store, "fetch_ahead"):
+    if not hasattr(store, "fetch_ahead"):
         return None
     if share is not None and share[2] == 0:
         if share[0] != 0:

@@ -14,17 +14,14 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from tokenmill.training.order_ahead import order_read_ahead
-from tokenmill.training.state import (
+from tokenmill.training.order import (
     advance_position,
-    check_state,
-    data_fingerprint,
     data_parallel_coordinates,
     epoch_end,
     order_blocks,
-    order_setup,
-    order_state,
 )
+from tokenmill.training.order_ahead import order_read_ahead
+from tokenmill.training.state import check_state, data_fingerprint, order_setup, order_state
 
 
 class RDSampler(Sampler[int]):

@@ -2,15 +2,14 @@
 
 `fetch(begin, end, keys)` reads a key's stream across shard boundaries;
 `fetch_record(i, keys)` reads record i by its offsets. MmapStore (shards) and JsonlStore
-(raw or pre-tokenized JSONL) fill it with views: one per shard, or one in-memory load.
+(raw or pre-tokenized JSONL) fill it with views: one per shard, or one in-memory load; what
+a store holds open of them between reads is open_views.py's.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,9 @@ import numpy as np
 import torch
 
 from tokenmill.shards.format import Column, primary_key
+from tokenmill.training.open_views import OpenViews, ShardView
 
 Transform = Callable[[dict], dict]
-Hot = tuple[int, int, int, dict[str, np.ndarray]]  # view read last: start, end, stream values
-Record = tuple[int, np.ndarray, np.ndarray]  # a view's first record, a plain key's offsets, values
-NO_HOT: Hot = (-1, 0, -1, {})
-MAX_OPEN_SHARDS = 32  # an open shard holds a file descriptor per file (Python < 3.13 mmap); the limit is often 1,024
 
 
 def window_count(token_count: int, window_size: int, stride: int) -> int:
@@ -43,25 +39,6 @@ def to_tensor(values: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(values))
 
 
-@dataclass
-class ShardView:
-    """One shard (or one in-memory JSONL load): its record count, each key's element count
-    and dtype, and its columns: given (in memory) or opened by `open` on first use."""
-
-    name: str
-    records: int
-    sizes: dict[str, int]
-    dtypes: dict[str, np.dtype]
-    columns: dict[str, Column] | None = None
-    open: Callable[[], dict[str, Column]] | None = None
-
-    @classmethod
-    def of(cls, name: str, columns: dict[str, Column], records: int) -> ShardView:
-        """A view of columns already in memory."""
-        sizes = {k: len(c.values) for k, c in columns.items()}
-        return cls(name, records, sizes, {k: c.values.dtype for k, c in columns.items()}, columns)
-
-
 class _KeyValues:
     """One key's values, view by view: `values[s]` opens view s on first use."""
 
@@ -72,7 +49,7 @@ class _KeyValues:
         return self.store._key_values(s, self.key)
 
 
-class Store:
+class Store(OpenViews):
     """Stream access (`fetch`, `sample_window`) and record access (`fetch_record`) over views."""
 
     def __init__(self, window_size: int | None = None, stride: int | None = None):
@@ -83,19 +60,13 @@ class Store:
             raise ValueError("stride needs window_size")
         self.window_size = window_size
         self.stride = stride or window_size
-        self._views: list[ShardView] | None = None
         self._starts: dict[str, list[int]] = {}
         self._record_starts: list[int] = []
         self._values: dict[str, _KeyValues] = {}  # key -> each view's values
-        self._opened: OrderedDict[int, dict[str, Column]] = OrderedDict()  # lazily opened views
-        self.max_open_shards = MAX_OPEN_SHARDS
         self._shared_starts: list[int] = []  # the primary key's view starts
         self._stream_keys: set[str] = set()  # the keys whose views start where the primary's do
         self._num_samples = 0
-        self._hot: Hot = NO_HOT
-        self._last = -1  # the view touched last: already the most recent in `_opened`
-        self._view_values: dict[int, dict[str, np.ndarray]] = {}  # stream keys of open views
-        self._records: dict[tuple[int, str], Record] = {}  # (view, plain key) read by record
+        self._hold(None)
 
     def load(
         self,
@@ -105,10 +76,6 @@ class Store:
         tokenizer_path: str | Path | None = None,
     ) -> Store:
         raise NotImplementedError
-
-    def __getstate__(self) -> dict:
-        """The view read last is not pickled: a copy finds its own on its first read."""
-        return {**self.__dict__, "_hot": NO_HOT, "_last": -1, "_view_values": {}, "_records": {}}
 
     # --- layout --------------------------------------------------------------------------
     def _set_views(self, views: list[ShardView]) -> None:
@@ -128,48 +95,13 @@ class Store:
         self._starts = {k: cumulative([s.sizes[k] for s in views]) for k in self._keys}
         self._record_starts = cumulative([s.records for s in views])
         self._values = {k: _KeyValues(self, k) for k in self._keys}
-        self._opened = OrderedDict()
-        self._hot, self._last, self._view_values, self._records = NO_HOT, -1, {}, {}
         self._shared_starts = self._starts[primary_key(self._keys)]
         self._stream_keys = {k for k, st in self._starts.items() if st == self._shared_starts}
-        self._views = views
+        self._hold(views)
         if self.window_size is not None:  # fixed at load: sample_window runs once per item
             self._num_samples = window_count(
                 self.token_count, self.window_size, self.stride or self.window_size
             )
-
-    def _columns(self, s: int) -> dict[str, Column]:
-        """View s's columns; a lazily opened view stays open among the `max_open_shards` most
-        recently used, so a store of thousands of shards keeps few files mapped. Reads of the
-        view touched last skip the LRU's bookkeeping: it is already the most recent."""
-        columns = self._opened.get(s)
-        if columns is not None:
-            if s != self._last:
-                self._opened.move_to_end(s)
-                self._last = s
-            return columns
-        view = self._loaded()[s]
-        if view.columns is not None:
-            return view.columns
-        assert view.open is not None, "a view has columns or a way to open them"
-        columns = self._opened[s] = view.open()
-        self._last = s
-        while len(self._opened) > self.max_open_shards:
-            closed, _ = self._opened.popitem(last=False)
-            self._view_values.pop(closed, None)
-            self._records = {at: r for at, r in self._records.items() if at[0] != closed}
-            if closed == self._hot[0]:  # never hold a view the limit closed
-                self._hot = NO_HOT
-        return columns
-
-    def _heat(self, s: int) -> Hot:
-        """View s as the view read last (`_hot`, one assignment: threads may read)."""
-        columns = self._columns(s)
-        values = self._view_values.get(s) or {k: columns[k].values for k in self._stream_keys}
-        hot = (s, self._shared_starts[s], self._shared_starts[s + 1], values)
-        if s in self._opened or self._loaded()[s].columns is not None:  # not past the limit
-            self._view_values[s], self._hot = values, hot
-        return hot
 
     def _key_values(self, s: int, key: str) -> np.ndarray:
         """View s's values of one key. A store that can open one key of a view alone (a
@@ -180,11 +112,6 @@ class Store:
     def _key_bounds(self, s: int, key: str) -> Column:
         """View s's column of one key, for its offsets and items (its values may be empty)."""
         return self._columns(s)[key]
-
-    def _loaded(self) -> list[ShardView]:
-        if self._views is None:
-            raise RuntimeError("Store not loaded")
-        return self._views
 
     def _key(self, key: str) -> str:
         if key not in self._starts:
@@ -371,7 +298,7 @@ class Store:
                 f"{self._loaded()[s].name}: key {key!r} has no record offsets, so it reads "
                 "only as a stream (fetch)"
             )
-        if col.items is None and (s in self._opened or self._loaded()[s].columns is not None):
+        if col.items is None and self._held(s):  # kept while the view stays open
             self._records[s, key] = (starts[s], col.offsets, col.values)
         begin, end = col.offsets[i - starts[s]], col.offsets[i - starts[s] + 1]
         if col.items is None:

@@ -245,8 +245,8 @@ def prerender(
     offsets = encode_offsets_batch(masker.bundle, [text for *_, text in made])
     rendered: dict[tuple[str, int], list[Rendering]] = {}
     for (key, part, tools, text), encoded in zip(made, offsets, strict=True):
-        made = (part.section, part.messages or [], tools, text, encoded)
-        rendered.setdefault(key, []).append(made)
+        rendering = (part.section, part.messages or [], tools, text, encoded)
+        rendered.setdefault(key, []).append(rendering)
     return rendered
 
 

@@ -1,9 +1,10 @@
 """Inputs: which files (or in-memory datasets) a run reads and how their bytes are opened.
 
-Local paths and URLs (fsspec), folders expanded in a fixed order (a folder written by
-Hugging Face `datasets` read as its data files), `.gz`/`.zst` decompressed as streams,
-Parquet and Arrow opened by pyarrow, a `datasets.Dataset`/`IterableDataset` taken as it is;
-every input's identity (size, stamp) for resume.
+Local paths and URLs alike (storage/location.py lists, opens and stamps either), folders
+expanded in a fixed order (a folder written by Hugging Face `datasets` read as its data
+files), `.gz`/`.zst` decompressed as streams, Parquet and Arrow opened by pyarrow, a
+`datasets.Dataset`/`IterableDataset` taken as it is; every input's identity (size, stamp)
+for resume.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
-import os
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,21 +22,18 @@ import pyarrow.parquet as pq
 import zstandard
 
 from tokenmill.preprocess.inputs.hf import DatasetInput, hf_dataset_kind, hf_layout
+from tokenmill.storage.location import Folder, file_name, file_stamp, list_location, open_file
 
-INPUT_SUFFIXES = (
-    ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst", ".parquet", ".arrow",
-    ".txt", ".txt.gz", ".txt.zst",
-)  # fmt: skip
+INPUT_SUFFIXES = tuple(
+    ".jsonl .json .jsonl.gz .json.gz .jsonl.zst .json.zst .parquet .arrow "
+    ".txt .txt.gz .txt.zst".split()
+)
 
 
 _CHUNK = 1 << 20
 
 
 InputPath = Path | str | DatasetInput  # a local path, a URL (s3://...), or an in-memory dataset
-
-
-def is_url(path: InputPath) -> bool:
-    return isinstance(path, str) and "://" in path
 
 
 def input_list(inputs: Any) -> list[Any]:
@@ -69,10 +66,8 @@ def list_inputs(paths: Sequence[Any]) -> list[InputPath]:
                 f"input {position} is a {kind} (splits: {splits}); pass one split, "
                 f"such as dataset[{next(iter(given), 'train')!r}]"
             )
-        elif isinstance(given, str) and is_url(given):
-            files = _list_url(given)
         elif isinstance(given, (str, Path)):
-            files = _list_local(Path(given))
+            files = _list(given)
         else:
             raise TypeError(
                 f"input {position}: expected a path, a URL or a Hugging Face datasets.Dataset, "
@@ -96,82 +91,15 @@ def list_inputs(paths: Sequence[Any]) -> list[InputPath]:
     return found
 
 
-def _list_local(path: Path) -> list[Path]:
-    path = path.absolute()  # the same file for every process that reads it, wherever it runs
-    _check_name(path)
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"input not found: {path}")
-    relative = [
-        p.relative_to(path).parts
-        for p in _walk(path)
-        if not any(part[0] in "._" for part in p.relative_to(path).parts)
-    ]
-    chosen = hf_layout(str(path), relative, lambda parts: path.joinpath(*parts).read_bytes())
+def _list(given: str | Path) -> list[InputPath]:
+    """A file as it is; a folder's files, as `hf_layout` picks them."""
+    found = list_location(given)
+    if not isinstance(found, Folder):
+        return [found]
+    chosen = hf_layout(found.root, found.files, found.read)
     if not chosen:
-        raise ValueError(f"folder {path} holds no input files ({_supported()})")
-    return [path.joinpath(*parts) for parts in chosen]
-
-
-def _check_name(path: Path) -> None:
-    """A name that is not valid UTF-8 is refused: the manifest and the journal record it."""
-    try:
-        str(path).encode("utf-8")
-    except UnicodeEncodeError:
-        shown = str(path).encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-        raise ValueError(
-            f"{shown!r}: the name is not valid UTF-8; rename it (tokenmill records every "
-            "input's name in the manifest)"
-        ) from None
-
-
-def _walk(root: Path) -> list[Path]:
-    """Every file below root, symlinked folders followed (each real folder once, so a link
-    back up cannot loop); a name that is not valid UTF-8 is refused, naming its folder."""
-    files, seen = [], set()
-    for folder, subfolders, names in os.walk(root, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in seen:
-            subfolders.clear()
-            continue
-        seen.add(real)
-        subfolders.sort()
-        for name in [*names, *subfolders]:
-            _check_name(Path(folder) / name)
-        files += [Path(folder) / name for name in names if os.path.isfile(Path(folder) / name)]
-    return files
-
-
-def _list_url(url: str) -> list[InputPath]:
-    fs, root = _filesystem(url)
-    try:
-        if fs.isfile(root):
-            return [url]
-        if not fs.isdir(root):
-            raise FileNotFoundError(f"input not found: {url}")
-        base = root.rstrip("/")
-        relative = [
-            tuple(parts)
-            for parts in (p[len(base) + 1 :].split("/") for p in fs.find(root))
-            if not any(not part or part[0] in "._" for part in parts)  # "" from a key like a//b
-        ]
-        chosen = hf_layout(url, relative, lambda parts: fs.cat_file(f"{base}/{'/'.join(parts)}"))
-    except FileNotFoundError:
-        raise
-    except OSError as err:  # unreachable host, refused connection, no permission
-        raise OSError(f"{url}: cannot read: {err}") from None
-    if not chosen:
-        raise ValueError(f"folder {url} holds no input files ({_supported()})")
-    return [url.rstrip("/") + "/" + "/".join(parts) for parts in chosen]
-
-
-def _filesystem(url: str) -> tuple[Any, str]:
-    try:
-        import fsspec
-    except ImportError:
-        raise ImportError(f"{url}: reading URLs needs fsspec: pip install fsspec") from None
-    return fsspec.core.url_to_fs(url)
+        raise ValueError(f"folder {found.root} holds no input files ({_supported()})")
+    return [found.join(parts) for parts in chosen]
 
 
 def input_identity(path: InputPath) -> tuple[int, str]:
@@ -187,16 +115,7 @@ def input_identity(path: InputPath) -> tuple[int, str]:
         if fingerprint is None:
             return -1, f"unidentified-{uuid.uuid4().hex}"
         return len(path.dataset), str(fingerprint)
-    if isinstance(path, str) and is_url(path):
-        fs, inner = _filesystem(path)
-        info = fs.info(inner)
-        if info.get("size") is None:
-            raise ValueError(f"{path}: its filesystem does not report its size; cannot read it")
-        stamps = ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified",
-                  "Last-Modified", "updated")  # fmt: skip
-        return int(info["size"]), next((str(info[k]) for k in stamps if info.get(k)), "")
-    stat = Path(path).stat()
-    return stat.st_size, str(stat.st_mtime_ns)
+    return file_stamp(path)
 
 
 class _ZstdRaw(io.RawIOBase):
@@ -249,10 +168,6 @@ def open_bytes(path: InputPath) -> Iterator[IO[bytes]]:
 
 @contextlib.contextmanager
 def open_parquet(path: InputPath) -> Iterator[pq.ParquetFile]:
-    if not is_url(path):
-        with pq.ParquetFile(path) as parquet:
-            yield parquet
-        return
     with _open_file(path) as file, pq.ParquetFile(file) as parquet:
         yield parquet
 
@@ -261,11 +176,7 @@ def open_parquet(path: InputPath) -> Iterator[pq.ParquetFile]:
 def open_arrow(path: InputPath) -> Iterator[Iterator[pa.RecordBatch]]:
     """The record batches of an Arrow file: the IPC stream format `datasets` writes, or the
     IPC file format (which opens with `ARROW1`); a local file is memory-mapped."""
-    with contextlib.ExitStack() as stack:
-        if is_url(path):
-            source: Any = stack.enter_context(_open_file(path))
-        else:
-            source = stack.enter_context(pa.memory_map(str(path)))
+    with _open_file(path, mapped=True) as source:
         magic = source.read(6)
         source.seek(0)
         if magic == b"ARROW1":
@@ -281,24 +192,17 @@ def dataset_batches(path: DatasetInput, rows: int) -> Iterator[pa.Table]:
     return path.dataset.with_format("arrow").iter(batch_size=rows)
 
 
-@contextlib.contextmanager
-def _open_file(path: InputPath) -> Iterator[IO[bytes]]:
+def _open_file(path: InputPath, mapped: bool = False) -> contextlib.AbstractContextManager[Any]:
     if isinstance(path, DatasetInput):
         raise TypeError(f"{path}: an in-memory dataset has no bytes to open; read its records")
-    if isinstance(path, str) and is_url(path):
-        fs, inner = _filesystem(path)
-        with fs.open(inner, "rb") as file:
-            yield file
-    else:
-        with open(path, "rb") as file:
-            yield file
+    return open_file(path, mapped)
 
 
 def source_name(path: InputPath) -> str:
+    """The input's name: a file's (a URL's query left out), or an in-memory dataset's."""
     if isinstance(path, DatasetInput):
         return path.name
-    text = str(path).split("?", 1)[0] if is_url(path) else str(path)  # https://.../x.jsonl?sig=...
-    return text.rstrip("/").rsplit("/", 1)[-1]
+    return file_name(path)
 
 
 def input_suffix(path: InputPath) -> str:

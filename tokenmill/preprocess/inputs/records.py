@@ -13,7 +13,6 @@ import codecs
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any, Literal
 
 import orjson
@@ -24,20 +23,20 @@ from tokenmill.preprocess.inputs.files import (
     InputPath,
     dataset_batches,
     input_suffix,
-    is_url,
     open_arrow,
     open_bytes,
     open_parquet,
     source_name,
 )
 from tokenmill.preprocess.inputs.hf import DatasetInput
+from tokenmill.storage.location import located
 
 # Every slug a RecordError may carry; skip counts are keyed by these.
-REASONS = (
-    "bad_json", "bad_utf8", "not_object", "missing_field", "wrong_type", "empty", "unknown_role",
-    "no_trained_tokens", "bad_value", "template_error", "too_short", "too_long",
-    "identical_pair", "truncated_file", "corrupt_file", "mask_unproven", "content_dropped",
-)  # fmt: skip
+REASONS = tuple(
+    "bad_json bad_utf8 not_object missing_field wrong_type empty unknown_role no_trained_tokens "
+    "bad_value template_error too_short too_long identical_pair truncated_file corrupt_file "
+    "mask_unproven content_dropped".split()
+)
 
 
 PARQUET_BATCH_ROWS = 1024  # rows turned into Python objects at a time (Parquet, Arrow, datasets)
@@ -94,8 +93,7 @@ def read_records(
     if isinstance(path, DatasetInput):
         yield from _read_dataset(path, on_error)
         return
-    if not is_url(path):
-        path = Path(path)
+    path = located(path)
     suffix = input_suffix(path)
     if suffix == ".parquet":
         yield from _read_parquet(path, on_error)

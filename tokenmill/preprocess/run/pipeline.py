@@ -12,7 +12,6 @@ manifest last (upload.py).
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 import sys
 import time
@@ -44,7 +43,8 @@ from tokenmill.shards.files import write_atomic
 from tokenmill.shards.format import RUN_DIR, natural_key
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.shards.writer import ShardWriter
-from tokenmill.storage.remote import is_url
+from tokenmill.storage.location import output_location
+from tokenmill.storage.remote import Remote
 
 
 class Pipeline:
@@ -78,18 +78,13 @@ class Pipeline:
         self.inputs = input_list(inputs)
         self.bucket: BucketOutput | None = None
         self.output_dir: Path | str
-        if is_url(output_dir):
-            self.bucket = BucketOutput(str(output_dir), storage_options, staging_dir)
+        location = output_location(output_dir, storage_options)
+        if isinstance(location, Remote):
+            self.bucket = BucketOutput(location, staging=staging_dir)
             self.output_dir = self.bucket.url
             self._out = self.bucket.local  # staging: shards are written here, then uploaded
         else:
-            if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/[^/]", str(output_dir)):
-                raise ValueError(
-                    f"output {str(output_dir)!r} looks like a URL that lost a slash (a Path "
-                    "merges //); pass the URL as a string"
-                )
-            # absolute: Ray workers and tools run from other folders than the one the run started in
-            self.output_dir = self._out = Path(output_dir).absolute()
+            self.output_dir = self._out = location  # absolute: Ray workers run elsewhere
         self.tokenizer_path = str(Path(tokenizer_path).absolute())
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -253,9 +248,14 @@ class Pipeline:
         domain_dir = self._out / domain if domain else self._out
         out = self.config.output
         return self._engine.writer(
-            domain_dir, masker.dtypes(), masker.primary_key(), out.max_tokens_per_shard,
-            out.storage_format, first_index, bucket=self.bucket,
-        )  # fmt: skip
+            domain_dir,
+            masker.dtypes(),
+            masker.primary_key(),
+            out.max_tokens_per_shard,
+            out.storage_format,
+            first_index,
+            bucket=self.bucket,
+        )
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import os
 import shutil
 import socket
@@ -23,7 +22,7 @@ from typing import Any
 import orjson
 
 from tokenmill.preprocess.ledger import Ledger
-from tokenmill.shards.files import write_atomic
+from tokenmill.shards.files import locked, write_atomic
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, checksum, row_tokens, shard_records
 from tokenmill.shards.reader import find_shards, read_meta
 
@@ -286,21 +285,25 @@ def output_lock(output_dir: Path) -> Iterator[None]:
     output is refused, naming the live run that holds it (pid, host, start); the kernel drops
     the lock when that run dies, however it dies, so a dead run's lock is simply taken over."""
     path = output_dir.parent / f".{output_dir.name}.tokenmill-lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    with contextlib.ExitStack() as held:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = held.enter_context(locked(path, wait=False, mode=0o644))
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a starting run"
             raise FileExistsError(
-                f"{output_dir}: another run is writing this output ({holder}); wait for it to "
-                "finish or stop it, then run again"
+                f"{output_dir}: another run is writing this output ({_holder(path)}); wait for "
+                "it to finish or stop it, then run again"
             ) from None
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         holder = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
         os.ftruncate(fd, 0)
         os.pwrite(fd, holder.encode(), 0)
         yield
-    finally:
-        os.close(fd)  # releases the lock; the file stays, so no two runs lock different files
+
+
+def _holder(lock: Path) -> str:
+    """Who holds an output's lock, as its holder wrote it in the lock file."""
+    try:
+        with open(lock, "rb") as f:
+            return f.read(4096).decode(errors="replace").strip() or "a starting run"
+    except OSError:
+        return "a starting run"

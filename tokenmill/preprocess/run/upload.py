@@ -30,7 +30,8 @@ import orjson
 import xxhash
 
 from tokenmill.preprocess.run.runlog import Summary, part_info, shard_info
-from tokenmill.shards.format import FORMAT_VERSION, RUN_DIR
+from tokenmill.shards.format import RUN_DIR
+from tokenmill.shards.manifest import parse_manifest
 from tokenmill.storage.bucket_lock import LOCK, BucketLock
 from tokenmill.storage.remote import Remote
 
@@ -52,12 +53,13 @@ class BucketOutput:
 
     def __init__(
         self,
-        url: str,
+        url: str | Remote,
         storage_options: dict[str, Any] | None = None,
         staging: str | Path | None = None,
     ):
-        self.url = url.rstrip("/")
-        self.remote = Remote(self.url, storage_options)
+        """`url`: the output's URL (`storage_options` go to fsspec), or its client."""
+        self.remote = url if isinstance(url, Remote) else Remote(url, storage_options)
+        self.url = self.remote.url
         self.local = Path(staging or default_staging(self.url)).absolute()
         self._published: dict[str, list[str]] = {}  # domain -> shard names in the bucket
         self._seen: dict[int, int] = {}  # id(writer) -> published shards handed to the uploader
@@ -144,13 +146,7 @@ class BucketOutput:
         )
 
     def _manifest(self) -> dict:
-        manifest = orjson.loads(self.remote.cat("manifest.json"))
-        if manifest.get("format_version", 0) > FORMAT_VERSION:
-            raise ValueError(
-                f"{self.url}/manifest.json: format_version {manifest['format_version']} is newer "
-                f"than this tokenmill reads ({FORMAT_VERSION}); upgrade tokenmill"
-            )
-        return manifest
+        return parse_manifest(self.remote.cat("manifest.json"), f"{self.url}/manifest.json")
 
     def _resume_from(self, listing: dict[str, int]) -> None:
         """Staging rebuilt from the bucket: run id, inputs, the merged journal; the bucket's
