@@ -12,7 +12,7 @@ shuffled, `workers` DataLoader workers), reading one epoch:
 
 - bucket, small cache: a shuffled epoch of another dataset (many small shards) through a
   cache half its size, with the fetches ahead of the sample order and without them
-  (`training.order_ahead.ORDER_LOOKAHEAD` = 0), interleaved, each from an empty cache, through
+  (`training.order_prefetch.PREFETCH_POSITIONS` = 0), interleaved, each from an empty cache, through
   a proxy that holds each request LATENCY_S (a real bucket's round trip; loopback has none).
 
 Figures: first-batch latency (from iter() to the first batch, worker start-up included) and
@@ -46,7 +46,7 @@ from tokenmill.dataflow import DataflowLoader, MapDistributor
 from tokenmill.shards.manifest import write_manifest
 from tokenmill.shards.writer import ShardWriter
 from tokenmill.storage.remote import Remote
-from tokenmill.training import order_ahead
+from tokenmill.training import order_prefetch
 from tokenmill.training.dataset_factory import DatasetFactory
 
 WINDOW, BATCH = 2048, 8
@@ -263,13 +263,13 @@ def small_cache(
         [(p, p.relative_to(local).as_posix()) for p in files]
     )
     options = {"endpoint_url": slow}
-    saved = order_ahead.ORDER_LOOKAHEAD
+    saved = order_prefetch.PREFETCH_POSITIONS
     times: dict[str, list[float]] = {"without": [], "with": []}
     downloads: dict[str, int] = {}
     try:
         for r in range(repeats):
             for name, look in (("without", 0), ("with", saved)):
-                order_ahead.ORDER_LOOKAHEAD = look  # forked workers inherit it
+                order_prefetch.PREFETCH_POSITIONS = look  # forked workers inherit it
                 cache = work / f"small-cache-{name}-{r}"
                 dataset = DatasetFactory.load(
                     "seq",
@@ -285,7 +285,7 @@ def small_cache(
                 downloads[name] = dataset.store.cache_stats()["downloads"]
                 shutil.rmtree(cache, ignore_errors=True)
     finally:
-        order_ahead.ORDER_LOOKAHEAD = saved
+        order_prefetch.PREFETCH_POSITIONS = saved
     return {
         "shards": shards,
         "shard_mb": size / shards / 1e6,

@@ -4,8 +4,8 @@ Fetch: random windows of SFT shards written by the real ShardWriter, read by Mma
 by SFTDataset and SEQDataset items, and by the floor (the same windows of the same files sliced
 from np.memmap and copied into tensors; an item floor shifts and widens in numpy), in one
 process and through a DataLoader with 2 workers; random records (4,096-token rows) by
-fetch_record next to their offsets and values read from np.memmap. Open:
-MmapStore.load + one fetch_record on record-oriented shards of 1e4, 1e6 and 1e7 records.
+fetch_row next to their offsets and values read from np.memmap. Open:
+MmapStore.load + one fetch_row on record-oriented shards of 1e4, 1e6 and 1e7 records.
 Run: python benchmarks/bench_store.py [--quick] [--window 2048] [--repeats 5]
 """
 
@@ -221,15 +221,15 @@ def fetch_table(
     indices = many[:windows]
 
     def fetch(s):  # what store[i] does, spelled out as the seed's API
-        return lambda i: s.fetch(*s.sample_window(i), KEYS)
+        return lambda i: s.fetch(*s.window_at(i), KEYS)
 
     reads = {name: f.__getitem__ for name, f in floors.items()}
     reads |= {"store": fetch(store), "store8": fetch(store8), "sft": ds.__getitem__}
     reads |= {"seq": seq.__getitem__}
     runs = {n: lambda r=r: rate(r, many) for n, r in reads.items()}
     runs["record_floor"] = lambda: rate(record_floor.__getitem__, records)
-    runs["record"] = lambda: rate(lambda i: store.fetch_record(i, "sequence"), records)
-    runs["record8"] = lambda: rate(lambda i: store8.fetch_record(i, "sequence"), records)
+    runs["record"] = lambda: rate(lambda i: store.fetch_row(i, "sequence"), records)
+    runs["record8"] = lambda: rate(lambda i: store8.fetch_row(i, "sequence"), records)
     single = rounds(runs, 3 * repeats)
     datasets = {"floor": floors["floor"], "store": store}
     datasets |= {"floor+1": floors["floor+1"], "sft_floor": floors["sft_floor"], "sft": ds}
@@ -249,8 +249,8 @@ def fetch_table(
         ("floor: SEQ item in numpy", single, "seq_floor", "floor+1"),
         ("SEQDataset ds[i]", single, "seq", "floor+1"),
         ("floor: record from offsets", single, "record_floor", "record_floor"),
-        ("fetch_record, 1 shard", single, "record", "record_floor"),
-        ("fetch_record, 8 shards", single, "record8", "record_floor"),
+        ("fetch_row, 1 shard", single, "record", "record_floor"),
+        ("fetch_row, 8 shards", single, "record8", "record_floor"),
         ("floor: memmap window", multi, "floor", "floor"),
         ("MmapStore store[i]", multi, "store", "floor"),
         ("floor: window + 1 token", multi, "floor+1", "floor+1"),
@@ -287,10 +287,10 @@ def fetch_table(
 
 
 def open_seconds(path: Path) -> float:
-    """Seconds of MmapStore.load + one fetch_record (the middle record)."""
+    """Seconds of MmapStore.load + one fetch_row (the middle record)."""
     start = time.perf_counter()
     store = StoreFactory.create("bin").load(path)
-    store.fetch_record(store.num_records // 2, "sequence")
+    store.fetch_row(store.num_rows // 2, "sequence")
     return time.perf_counter() - start
 
 
@@ -306,7 +306,7 @@ def open_table(root: Path, sizes: tuple[int, ...], repeats: int) -> dict[str, fl
         shutil.rmtree(path)
     base = seconds[sizes[0]]
     print(
-        f"open time: MmapStore.load + fetch_record, 2 shards, {RECORD_TOKENS} tokens per record, "
+        f"open time: MmapStore.load + fetch_row, 2 shards, {RECORD_TOKENS} tokens per record, "
         f"median of {repeats}"
     )
     print(f"{'records':>12}{'ms':>10}{'ratio':>8}")

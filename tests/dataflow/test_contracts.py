@@ -589,7 +589,7 @@ def test_share_reads_tells_each_worker_what_it_reads():
     mapped = MapDistributor(ToyDataset("seq", 12))
     assert mapped.reads is None
     mapped.share_reads(1, 2, 3)
-    assert mapped.reads == (1, 2, 3)  # handed to order_read_ahead with the order
+    assert mapped.reads == (1, 2, 3)  # handed to order_prefetch with the order
 
 
 # --- misuse, named --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tokenmill.dataflow.distributors import (
     trained_tokens,
     worker_share,
 )
-from tokenmill.training.order_ahead import own_positions
+from tokenmill.training.order_prefetch import own_positions
 
 
 def stream(

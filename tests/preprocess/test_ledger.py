@@ -158,7 +158,7 @@ def test_pretraining_keeps_every_token_of_the_shipped_shakespeare(tmp_path):
     assert summary.tokens_read == summary.tokens == len(expected) > 50_000
     assert summary.dropped_tokens == 0 and summary.dropped == {}
     assert summary.ledger().unbalanced() == []
-    rows = store.record_lengths("sequence")
+    rows = store.row_lengths("sequence")
     assert (rows[:-1] == default_config("seq").preprocessing.max_packed_len).all()
 
 

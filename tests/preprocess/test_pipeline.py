@@ -89,14 +89,14 @@ def test_every_training_type_writes_its_keys(tmp_path, train_type):
     store = MmapStore()
     store.load(out)
     if train_type == "grpo":
-        rec = store.fetch_record(0, ["prompts", "responses", "masks", "rewards"])
+        rec = store.fetch_row(0, ["prompts", "responses", "masks", "rewards"])
         raw = json.loads(lines_of(src)[0])
         assert len(rec["responses"]) == len(raw["responses"]) == len(rec["masks"])
         assert rec["rewards"].dtype.is_floating_point and rec["rewards"].tolist() == raw["rewards"]
         assert all(m.all() for m in rec["masks"])  # responses train, each ends with <|im_end|>
         assert all(int(r[-1]) == 151645 for r in rec["responses"])
     if train_type == "dpo":
-        assert store.num_records == summary.records_written
+        assert store.num_rows == summary.records_written
 
 
 @pytest.mark.slow
@@ -203,7 +203,7 @@ def test_packing_truncation_and_position_ids(tmp_path):
     summary = Pipeline(cfg, [src], out, QWEN, workers=1).run()
     store = MmapStore()
     store.load(out)
-    rows = [store.fetch_record(i, ["sequence", "position_ids"]) for i in range(store.num_records)]
+    rows = [store.fetch_row(i, ["sequence", "position_ids"]) for i in range(store.num_rows)]
     assert all(len(r["sequence"]) <= 256 for r in rows)
     assert sum(len(r["sequence"]) for r in rows) == summary.tokens
     # doc_reset: every document restarts at 0 and no document is longer than max_seq_len
@@ -352,7 +352,7 @@ def test_deepseek_records_start_with_one_masked_bos(tmp_path):
     store = MmapStore()
     store.load(out)
     for i in range(5):
-        rec = store.fetch_record(i, ["sequence", "loss_mask"])
+        rec = store.fetch_row(i, ["sequence", "loss_mask"])
         assert int(rec["sequence"][0]) == 0 and int((rec["sequence"] == 0).sum()) == 1
         assert not bool(rec["loss_mask"][0]) and bool(rec["loss_mask"][-1])
 

@@ -116,7 +116,7 @@ def test_the_first_item_does_not_wait_for_the_whole_dataset(datasets, options, t
     store.load(url)
     assert store.cache_stats().get("downloads", 0) == 0  # load reads metadata only
     reference = MmapStore(window_size=256).load(local)
-    window = store.sample_window(0)
+    window = store.window_at(0)
     assert torch.equal(store.fetch(*window, "sequence"), reference.fetch(*window, "sequence"))
     assert store.cache_stats()["downloads"] == 1
 

@@ -22,7 +22,7 @@ from tokenmill.storage import bucket_lock
 from tokenmill.storage.bucket_lock import LOCK, BucketLock
 from tokenmill.storage.remote import Remote
 from tokenmill.tools.cli import main
-from tokenmill.training import order_ahead
+from tokenmill.training import order_prefetch
 from tokenmill.training.sampler import RDSampler
 
 pytestmark = pytest.mark.slow  # an S3 server
@@ -50,8 +50,8 @@ def test_once_every_shard_is_cached_the_order_asks_nothing(datasets, options, tm
     expected = batches(loader(load("sft", local), workers=0))
     assert same(batches(loader(dataset, workers=0)), expected)
     ahead = dataset.store.cache_stats()["ahead"]
-    fetch_ahead, calls = dataset.store.fetch_ahead, []
-    dataset.store.fetch_ahead = lambda *args: calls.append(args) or fetch_ahead(*args)
+    prefetch_items, calls = dataset.store.prefetch_items, []
+    dataset.store.prefetch_items = lambda *args: calls.append(args) or prefetch_items(*args)
     assert same(batches(loader(dataset, workers=0)), expected)
     assert dataset.store.cache_stats()["ahead"] == ahead
     assert calls == []  # every shard known cached and none evicted: the order stops looking
@@ -79,7 +79,7 @@ def test_rdsampler_in_a_plain_dataloader_fetches_ahead_and_reads_the_local_batch
 
 def test_no_read_ahead_for_data_on_disk(datasets):
     local, _ = datasets["seq"]
-    assert order_ahead.order_read_ahead(load("seq", local), 0, True) is None
+    assert order_prefetch.order_prefetch(load("seq", local), 0, True) is None
 
 
 # --- the tools on a URL --------------------------------------------------------------------

@@ -50,7 +50,7 @@ def test_a_folder_source_reads_the_shards_where_they_lie_and_travels_as_paths(sh
     assert source.manifest is None and not source.prefetches and not source.opens_keys_alone
     assert [rel for rel, _ in source.shards][:2] == ["shard_00000", "shard_00001"]
     assert sorted(source.open(0)) == ["loss_mask", "position_ids", "sequence"]
-    assert source.fetch_ahead({0: 0}, (), 0.5) is None and source.stats() == {}
+    assert source.prefetch_items({0: 0}, (), 0.5) is None and source.stats() == {}
     assert source.fits_cache() and not source.all_cached() and source.verify() == []
     copy = pickle.loads(pickle.dumps(source))
     assert copy.shards == source.shards and copy.root == shards
@@ -166,11 +166,11 @@ def test_a_bucket_source_travels_without_its_threads_and_reads_the_same(
     store.load(url)
     assert isinstance(store.source, BucketSource) and store.root == url.rstrip("/")
     assert store.source.prefetches and store.source.opens_keys_alone
-    first = store.fetch(*store.sample_window(3), "sequence")  # starts the prefetch threads
+    first = store.fetch(*store.window_at(3), "sequence")  # starts the prefetch threads
     assert "_prefetch_threads" in store.source.__dict__
     copy = pickle.loads(pickle.dumps(store))
     assert "_prefetch_threads" not in copy.source.__dict__ and not copy._opened
-    assert torch.equal(copy.fetch(*copy.sample_window(3), "sequence"), first)
+    assert torch.equal(copy.fetch(*copy.window_at(3), "sequence"), first)
     assert (
         copy.manifest == store.manifest and copy.fingerprint == MmapStore().load(local).fingerprint
     )

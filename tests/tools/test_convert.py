@@ -43,7 +43,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def rows_of(out: Path, key: str = "sequence") -> list[np.ndarray]:
     store = StoreFactory.create("bin", window_size=8).load(out)
-    return [np.asarray(store.fetch_record(i, key)) for i in range(store.num_records)]
+    return [np.asarray(store.fetch_row(i, key)) for i in range(store.num_rows)]
 
 
 def stream_of(out: Path) -> np.ndarray:
@@ -184,9 +184,9 @@ def test_hf_export_of_groups_and_domains(seq, tmp_path):
     export_hf(root, tmp_path / "hf")
     loaded = datasets.load_from_disk(str(tmp_path / "hf"))
     store = StoreFactory.create("bin", window_size=8).load(root)
-    assert len(loaded) == store.num_records == 12
+    assert len(loaded) == store.num_rows == 12
     for i, row in enumerate(loaded):
-        stored = store.fetch_record(i, ["prompts", "responses", "masks", "rewards"])
+        stored = store.fetch_row(i, ["prompts", "responses", "masks", "rewards"])
         assert row["prompts"] == np.asarray(stored["prompts"]).tolist()
         assert row["responses"] == [np.asarray(r).tolist() for r in stored["responses"]]
         assert row["masks"] == [np.asarray(m).tolist() for m in stored["masks"]]

@@ -110,9 +110,9 @@ def test_bin_route_gives_the_right_class_and_store(train_type: str, shards: dict
     assert type(ds) is DATASETS[train_type]
     assert isinstance(ds.store, MmapStore)
     if train_type in ("seq", "sft"):
-        assert len(ds) == ds.store.num_samples > 0
+        assert len(ds) == ds.store.num_windows > 0
     else:
-        assert len(ds) == ds.store.num_records == INPUTS[train_type][1]
+        assert len(ds) == ds.store.num_rows == INPUTS[train_type][1]
 
 
 @pytest.mark.parametrize("train_type", list(INPUTS))

@@ -26,7 +26,7 @@ PAGES = 6  # a shard of this many 1 MiB pages of int32 tokens
 
 
 def read_all(store, key="sequence"):
-    return [store.fetch_record(i, key) for i in range(store.num_records)]
+    return [store.fetch_row(i, key) for i in range(store.num_rows)]
 
 
 def flip(path, at):
@@ -90,7 +90,7 @@ def test_sampled_pages_always_read_the_first_and_last_page(tmp_path):
         clean = path.read_bytes()
         flip(path, page * PAGE_BYTES + 17)
         with pytest.raises(ValueError, match=rf"'sampled'.*sequence\.bin.*page {page} \(bytes"):
-            MmapStore(integrity="sampled").load(tmp_path).fetch_record(0, "sequence")
+            MmapStore(integrity="sampled").load(tmp_path).fetch_row(0, "sequence")
         path.write_bytes(clean)
 
 
@@ -102,7 +102,7 @@ def test_sampled_pages_find_a_middle_page_by_chance_and_verify_names_it(tmp_path
     found = 0
     for _ in range(40):
         try:
-            MmapStore(integrity="sampled").load(tmp_path).fetch_record(0, "sequence")
+            MmapStore(integrity="sampled").load(tmp_path).fetch_row(0, "sequence")
         except ValueError as err:
             assert "page 3 (bytes 3145728-4194304) differs from its xxh64" in str(err)
             found += 1
@@ -152,7 +152,7 @@ def test_a_copied_dataset_keeps_its_page_checksums(tmp_path):
     flip(tmp_path / "b" / path.relative_to(tmp_path / "a"), PAGE_BYTES * PAGES - 1)
     read_all(MmapStore(integrity="sampled").load(tmp_path / "a"))
     with pytest.raises(ValueError, match=r"page 5"):
-        MmapStore(integrity="sampled").load(tmp_path / "b").fetch_record(0, "sequence")
+        MmapStore(integrity="sampled").load(tmp_path / "b").fetch_row(0, "sequence")
 
 
 # --- the corruption scorecard: each case, and where each level finds it ---------------------

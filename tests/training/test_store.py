@@ -114,18 +114,16 @@ def test_every_window_has_its_target_token_and_no_window_is_missed(tokens, windo
 # --- reading back exactly ---------------------------------------------------------------------
 def test_stream_store_reads_back_every_key(sft_store):
     assert len(sft_store._views) == 6  # the rolling cut 98 tokens into 6 shards
-    assert (
-        sft_store.keys == list(SFT) and sft_store.token_count == 98 and sft_store.num_records == 12
-    )
-    assert sft_store.num_samples == len(sft_store) == (98 - 1 - 8) // 5 + 1 == 18
-    assert sft_store.sample_window(3) == (15, 23)
+    assert sft_store.keys == list(SFT) and sft_store.token_count == 98 and sft_store.num_rows == 12
+    assert sft_store.num_windows == len(sft_store) == (98 - 1 - 8) // 5 + 1 == 18
+    assert sft_store.window_at(3) == (15, 23)
     item = sft_store[3]
     assert item["sequence"].dtype == torch.int32 and item["loss_mask"].dtype == torch.bool
     for key in SFT:
         assert item[key].tolist() == concatenated(key)[15:23].tolist()
     assert sft_store.fetch(0, 98, "position_ids").tolist() == concatenated("position_ids").tolist()
     assert sft_store.fetch(40, 40, "sequence").shape == (0,)
-    assert sft_store.record_lengths("sequence").tolist() == LENGTHS
+    assert sft_store.row_lengths("sequence").tolist() == LENGTHS
 
 
 @settings(max_examples=200, deadline=None)
@@ -152,10 +150,10 @@ def test_gather_outside_the_stream_fails(sft_store):
 def test_fetch_record_across_shards(sft_store):
     records = list(sft_records())
     for i, record in enumerate(records):
-        got = sft_store.fetch_record(i, ["sequence", "loss_mask"])
+        got = sft_store.fetch_row(i, ["sequence", "loss_mask"])
         assert got["sequence"].tolist() == record["sequence"].tolist()
         assert got["loss_mask"].tolist() == record["loss_mask"].tolist()
-    assert sft_store.fetch_record(11, "position_ids").tolist() == [0, 1, 2, 3]
+    assert sft_store.fetch_row(11, "position_ids").tolist() == [0, 1, 2, 3]
 
 
 def test_out_of_range_and_unknown_keys(sft_store):
@@ -163,10 +161,10 @@ def test_out_of_range_and_unknown_keys(sft_store):
         IndexError, match="fetch \\[90, 99\\) of key 'sequence' outside \\[0, 98\\)"
     ):
         sft_store.fetch(90, 99, "sequence")
-    with pytest.raises(IndexError, match="record 12 out of range \\[0, 12\\)"):
-        sft_store.fetch_record(12, "sequence")
+    with pytest.raises(IndexError, match="row 12 out of range \\[0, 12\\)"):
+        sft_store.fetch_row(12, "sequence")
     with pytest.raises(IndexError, match="window 18 out of range \\[0, 18\\)"):
-        sft_store.sample_window(18)
+        sft_store.window_at(18)
     with pytest.raises(KeyError, match="key 'tokens' is not in this store; keys: \\['sequence'"):
         sft_store.fetch(0, 1, "tokens")
 
@@ -175,14 +173,14 @@ def test_record_keys_and_list_keys_across_shards(tmp_path):
     write(tmp_path, list(dpo_records()), DPO, "chosen", 10, domain="dpo")
     write(tmp_path, list(grpo_records()), GRPO, "prompts", 6, domain="grpo")
     dpo = StoreFactory.create("bin").load(tmp_path / "dpo")
-    assert dpo.num_records == len(dpo) == 7 and len(dpo._views) == 5
+    assert dpo.num_rows == len(dpo) == 7 and len(dpo._views) == 5
     for i, record in enumerate(dpo_records()):
-        got = dpo.fetch_record(i, list(DPO))
+        got = dpo.fetch_row(i, list(DPO))
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in record.items()}
     grpo = StoreFactory.create("bin").load(tmp_path / "grpo")
     assert grpo.token_count == sum(range(1, 10)) and len(grpo._views) > 3
     for i, record in enumerate(grpo_records()):
-        got = grpo.fetch_record(i, list(GRPO))
+        got = grpo.fetch_row(i, list(GRPO))
         assert [r.tolist() for r in got["responses"]] == [r.tolist() for r in record["responses"]]
         assert [m.dtype for m in got["masks"]] == [torch.bool] * len(record["masks"])
         assert [m.tolist() for m in got["masks"]] == [m.tolist() for m in record["masks"]]
@@ -190,7 +188,7 @@ def test_record_keys_and_list_keys_across_shards(tmp_path):
             got["rewards"].dtype == torch.float32
             and got["rewards"].tolist() == record["rewards"].tolist()
         )
-    assert grpo.record_lengths("responses").tolist() == [
+    assert grpo.row_lengths("responses").tolist() == [
         sum(len(r) for r in rec["responses"]) for rec in grpo_records()
     ]
     with pytest.raises(ValueError, match="grpo/shard_00000: keys .* differ from dpo/shard_00000's"):
@@ -201,7 +199,7 @@ def test_fetch_copies_only_the_window_and_warns_nothing(sft_store):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         window = sft_store.fetch(0, 4, "sequence")  # inside shard 0: a slice of the memmap
-        record = sft_store.fetch_record(0, "sequence")
+        record = sft_store.fetch_row(0, "sequence")
     for part in ("values", "offsets"):  # read-only maps of the files, nothing loaded per record
         array = getattr(sft_store._columns(0)["sequence"], part)
         assert (
@@ -219,7 +217,7 @@ def test_before_load_the_store_says_so():
     store = StoreFactory.create("bin", window_size=4)
     for call in (
         lambda: store.fetch(0, 1, "sequence"),
-        lambda: store.fetch_record(0, "sequence"),
+        lambda: store.fetch_row(0, "sequence"),
         lambda: store.keys,
     ):
         with pytest.raises(RuntimeError, match="Store not loaded"):
@@ -249,8 +247,8 @@ def test_truncated_bin_fails_at_load_and_bad_offsets_at_the_shards_first_read(tm
         ValueError,
         match="position_ids.offsets.bin: key 'position_ids': runs 0 .. 13, expected 0 .. 30",
     ):
-        for i in range(store.num_records):
-            store.fetch_record(i, "sequence")
+        for i in range(store.num_rows):
+            store.fetch_row(i, "sequence")
 
 
 def test_manifest_listing_a_missing_shard_fails_at_load(sft_dir, tmp_path):
@@ -289,19 +287,17 @@ def test_seed_style_shards_load(tmp_path):
         {"chosen": [0, 2], "rejected": [0, 9]},
     )
     store = StoreFactory.create("bin").load(tmp_path / "dpo")
-    assert store.num_records == 3 and store.fetch_record(1, "chosen").tolist() == [2, 3, 4, 5]
-    assert store.fetch_record(2, "rejected").tolist() == list(range(9))
+    assert store.num_rows == 3 and store.fetch_row(1, "chosen").tolist() == [2, 3, 4, 5]
+    assert store.fetch_row(2, "rejected").tolist() == list(range(9))
     assert store.fetch(4, 7, "chosen").tolist() == [4, 5, 0]
     assert verify_dataset(tmp_path / "dpo", require_manifest=False) == [] and store.verify() == []
     seed_shard(tmp_path / "seq" / "a", {"sequence": np.arange(10, dtype=np.int32)}, {})
     stream = StoreFactory.create("bin", window_size=4).load(tmp_path / "seq")
     assert (
-        stream.num_records == 0
-        and len(stream) == 2
-        and stream[1]["sequence"].tolist() == [4, 5, 6, 7]
+        stream.num_rows == 0 and len(stream) == 2 and stream[1]["sequence"].tolist() == [4, 5, 6, 7]
     )
-    with pytest.raises(IndexError, match="record 0 out of range \\[0, 0\\)"):
-        stream.fetch_record(0, "sequence")
+    with pytest.raises(IndexError, match="row 0 out of range \\[0, 0\\)"):
+        stream.fetch_row(0, "sequence")
 
 
 def test_offsets_beyond_2_32_tokens(tmp_path):
@@ -326,12 +322,12 @@ def test_offsets_beyond_2_32_tokens(tmp_path):
     }
     (shard / "meta.json").write_text(json.dumps(meta))
     store = StoreFactory.create("bin", window_size=2**20).load(tmp_path)
-    assert store.token_count == n and store.num_records == 5
-    assert store.fetch_record(1, "sequence").tolist() == [7, 8, 9, 10, 11]
-    assert store.fetch_record(3, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 20
-    assert store.fetch_record(4, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 5
+    assert store.token_count == n and store.num_rows == 5
+    assert store.fetch_row(1, "sequence").tolist() == [7, 8, 9, 10, 11]
+    assert store.fetch_row(3, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 20
+    assert store.fetch_row(4, "sequence").tolist() == [7, 8, 9, 10, 11] + [0] * 5
     assert store.fetch(2**32 + 29, 2**32 + 33, "sequence").tolist() == [0, 7, 8, 9]
-    assert store.record_lengths("sequence").tolist() == [2**31 + 3, 5, 2**31 - 3, 25, 10]
+    assert store.row_lengths("sequence").tolist() == [2**31 + 3, 5, 2**31 - 3, 25, 10]
     assert len(store) == (n - 1 - 2**20) // 2**20 + 1 == 4096
 
 
@@ -410,9 +406,9 @@ def test_jsonl_eager_transform_over_a_folder(tmp_path):
     (tmp_path / "sub").mkdir()
     write_jsonl(tmp_path / "sub" / "c.jsonl", [{"text": "ignored: not top level"}])
     store = StoreFactory.create("jsonl", window_size=3).load(tmp_path, transform=char_transform)
-    assert store.num_records == 3 and store.token_count == 7 and len(store) == 2
+    assert store.num_rows == 3 and store.token_count == 7 and len(store) == 2
     assert bytes(store.fetch(0, 7, "sequence").numpy().astype(np.uint8)) == b"abxcd e"
-    assert store.fetch_record(2, "loss_mask").tolist() == [True, True, False, True]
+    assert store.fetch_row(2, "loss_mask").tolist() == [True, True, False, True]
     assert store[1]["sequence"].tolist() == [ord(c) for c in "cd "]
 
 
@@ -427,12 +423,12 @@ def test_jsonl_lazy_processor_indexes_lines_only(tmp_path):
         tmp_path / "data.jsonl", [{"text": "hello"}, "\n", "  \n", {"text": "hi"}, "not json\n"]
     )
     store = JsonlStore().load(path, processor=processor)
-    assert store.num_records == len(store) == 3 and calls == []
+    assert store.num_rows == len(store) == 3 and calls == []
     assert store._line_pos.dtype == np.int64 and store._line_pos.tolist() == [0, 22, 37]
-    assert store.fetch_record(1, "sequence").tolist() == [104, 105] and calls == ["hi"]
+    assert store.fetch_row(1, "sequence").tolist() == [104, 105] and calls == ["hi"]
     assert store.keys == ["sequence", "loss_mask"]
     with pytest.raises(ValueError, match=f"^{path}:5: invalid JSON at column 1"):
-        store.fetch_record(2, "sequence")
+        store.fetch_row(2, "sequence")
     with pytest.raises(ValueError, match="reads records only"):
         store.fetch(0, 1, "sequence")
 
@@ -460,9 +456,9 @@ def test_jsonl_storage_format_reads_back_like_bin(tmp_path):
     (tmp_path / "jsonl" / "rejects.jsonl").write_text('{"source": "x"}\n')
     assert detect_format(tmp_path / "jsonl") == "jsonl"
     binary, text = MmapStore().load(tmp_path / "bin"), JsonlStore().load(tmp_path / "jsonl")
-    assert text.num_records == binary.num_records == 9 and text.keys == binary.keys
+    assert text.num_rows == binary.num_rows == 9 and text.keys == binary.keys
     for i in range(9):
-        a, b = binary.fetch_record(i, list(GRPO)), text.fetch_record(i, list(GRPO))
+        a, b = binary.fetch_row(i, list(GRPO)), text.fetch_row(i, list(GRPO))
         assert a["prompts"].equal(b["prompts"]) and a["rewards"].equal(b["rewards"])
         assert all(x.equal(y) for x, y in zip(a["masks"], b["masks"], strict=True))
         assert all(x.equal(y) for x, y in zip(a["responses"], b["responses"], strict=True))
@@ -501,13 +497,13 @@ def test_jsonl_builtin_messages_transform(tmp_path):
             + "\n"
         )
     store = JsonlStore().load(path, tokenizer_path=TOKENIZER)
-    assert store.keys == ["sequence", "loss_mask", "position_ids"] and store.num_records == 6
+    assert store.keys == ["sequence", "loss_mask", "position_ids"] and store.num_rows == 6
     assert store.skipped == {"too_short": 1}
     for i, record in enumerate(want):
-        got = store.fetch_record(i, store.keys)
+        got = store.fetch_row(i, store.keys)
         assert got["loss_mask"].dtype == torch.bool and got["sequence"].dtype == torch.int32
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in record.items()}
-    first = store.fetch_record(0, ["sequence", "loss_mask"])
+    first = store.fetch_row(0, ["sequence", "loss_mask"])
     assert first["sequence"][:3].tolist() == [
         151644,
         8948,
@@ -533,13 +529,13 @@ def test_jsonl_dataset_config_beside_the_data(tmp_path):
     )
     (tmp_path / "data").symlink_to(ROOT / "data")  # the relative tokenizer_path resolves here
     store = JsonlStore().load(path)
-    assert store.keys == ["sequence", "loss_mask"] and store.num_records == 3
+    assert store.keys == ["sequence", "loss_mask"] and store.num_rows == 3
     process = RecordMasker(PipelineConfig.from_dict(config), load_tokenizer(TOKENIZER)).process
     for i, line in enumerate(path.read_text().splitlines()):
         want = process(json.loads(line))
-        got = store.fetch_record(i, store.keys)
+        got = store.fetch_row(i, store.keys)
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}
-    assert store.fetch_record(0, "sequence")[:3].tolist() == [151644, 8948, 198]
+    assert store.fetch_row(0, "sequence")[:3].tolist() == [151644, 8948, 198]
 
 
 def test_jsonl_lazy_dpo_processor_with_real_tokenizer(tmp_path):
@@ -548,7 +544,7 @@ def test_jsonl_lazy_dpo_processor_with_real_tokenizer(tmp_path):
     path = write_jsonl(tmp_path / "dpo.jsonl", [*lines, {"prompt": [], "chosen": []}])
     process = masker("dpo").process
     store = JsonlStore().load(path, processor=process)
-    assert store.num_records == 4 and store.keys == [
+    assert store.num_rows == 4 and store.keys == [
         "chosen",
         "chosen_mask",
         "rejected",
@@ -556,10 +552,10 @@ def test_jsonl_lazy_dpo_processor_with_real_tokenizer(tmp_path):
     ]
     for i, line in enumerate(lines):
         want = process(json.loads(line))
-        got = store.fetch_record(i, list(want))
+        got = store.fetch_row(i, list(want))
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in want.items()}
     with pytest.raises(ValueError, match=f"^{path}:4: prompt: empty conversation"):
-        store.fetch_record(3, "chosen")
+        store.fetch_row(3, "chosen")
 
 
 def test_lazy_line_index_across_chunk_boundaries(tmp_path):
@@ -578,7 +574,7 @@ def test_lazy_line_index_across_chunk_boundaries(tmp_path):
         pos += len(line)
     store = JsonlStore().load(path, processor=lambda r: {"n": np.array([len(r["t"])])})
     assert path.stat().st_size > 2 * (1 << 22) and store._line_pos.tolist() == want
-    assert store.fetch_record(store.num_records - 1, "n").item() == len("last line, no newline")
+    assert store.fetch_row(store.num_rows - 1, "n").item() == len("last line, no newline")
 
 
 def test_store_factory_takes_the_seed_positional_call_shape():
@@ -607,7 +603,7 @@ def test_an_unfinished_run_is_refused_and_unlisted_shards_ignored(tmp_path):
     with pytest.warns(UserWarning, match=r"does not list: \['backup/shard_00000'\]") as said:
         again = MmapStore().load(out)
     assert [w.filename for w in said] == [__file__]  # the warning names the caller of load
-    assert again.token_count == whole.token_count and again.num_records == whole.num_records
+    assert again.token_count == whole.token_count and again.num_rows == whole.num_rows
     (out / "manifest.json").rename(tmp_path / "manifest.json")  # as a killed run leaves it
     (out / ".tokenmill-run").mkdir()
     shutil.rmtree(out / "backup")
@@ -657,7 +653,7 @@ def test_a_store_of_more_shards_than_open_files_reads_every_record(tmp_path):
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))\n"
         "from tokenmill.training.mmap_store import MmapStore\n"
         "store = MmapStore().load(sys.argv[1])\n"
-        "firsts = [int(store.fetch_record(i, 'sequence')[0]) for i in range(store.num_records)]\n"
+        "firsts = [int(store.fetch_row(i, 'sequence')[0]) for i in range(store.num_rows)]\n"
         "assert firsts == list(range(400)), firsts[:10]\n"
         "print(len(store._loaded()))\n"
     )

@@ -57,7 +57,7 @@ class StoredLengths(Protocol):
 
 class ItemRanges(Protocol):
     """The stream positions items read, for a store that fetches shards ahead of the sample
-    order (`tokenmill.training.order_ahead`)."""
+    order (`tokenmill.training.order_prefetch`)."""
 
     def item_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """Positions [first, last] items `indices` read; None: the items are records."""

@@ -19,7 +19,7 @@ from tokenmill.dataflow.contracts import (
 )
 from tokenmill.dataflow.provenance import check_one_tokenizer, first_tokenizer
 from tokenmill.shards.schema import trained_tokens
-from tokenmill.training.order_ahead import order_read_ahead
+from tokenmill.training.order_prefetch import order_prefetch
 from tokenmill.training.state import (
     STATE_VERSION,
     check_state,
@@ -178,7 +178,7 @@ class MapDistributor(_IndexedDistributor):
     Global position p of an epoch goes to rank p % dp_world_size, so the state is one global
     count of consumed positions: O(1) to resume, under any world size. Streams `num_epochs`
     epochs, or indefinitely; `drop_last` as in `RDSampler`. The dataset may fetch items
-    ahead of the order (`training.order_ahead.OrderReadAhead`, for the indices this worker
+    ahead of the order (`training.order_prefetch.OrderPrefetch`, for the indices this worker
     reads: `share_reads`). Windowed and sized as its dataset is (contracts.py), while `fetch`
     is this class's."""
 
@@ -204,7 +204,7 @@ class MapDistributor(_IndexedDistributor):
         n = len(self.dataset)
         if self.drop_last and n < dp_world_size:
             raise ValueError(f"drop_last with {n} items and {dp_world_size} ranks leaves no items")
-        ahead = order_read_ahead(self.dataset, self.seed, self.shuffle, self.reads)
+        prefetch = order_prefetch(self.dataset, self.seed, self.shuffle, self.reads)
         while self.num_epochs is None or self.epoch < self.num_epochs:
             epoch, start = self.epoch, self.consumed
             end = epoch_end(n, start, dp_world_size, self.drop_last)
@@ -212,8 +212,8 @@ class MapDistributor(_IndexedDistributor):
                 start + dp_rank, end, dp_world_size, n, self.seed, epoch, self.shuffle
             )
             for position, index in zip(range(start + dp_rank, end, dp_world_size), order):
-                if ahead is not None:  # shards fetched ahead of the order (data in a bucket)
-                    ahead(position, end, dp_world_size, epoch)
+                if prefetch is not None:  # the dataset fetches what the order reads next
+                    prefetch(position, end, dp_world_size, epoch)
                 done = position - dp_rank + dp_world_size  # every rank is past this round
                 self.epoch, self.consumed = (epoch + 1, 0) if done >= end else (epoch, done)
                 yield index
@@ -223,7 +223,7 @@ class MapDistributor(_IndexedDistributor):
         return self.dataset[index]
 
     def share_reads(self, worker_id: int, num_workers: int, block: int) -> None:
-        """The dataset fetches ahead only what this worker reads (`order_read_ahead`)."""
+        """The dataset fetches ahead only what this worker reads (`order_prefetch`)."""
         self.reads = (worker_id, num_workers, block)
 
     @property

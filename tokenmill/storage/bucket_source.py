@@ -6,7 +6,7 @@ fetched into the machine-wide cache (cache.py) on first use and mapped from ther
 ones. Ahead of the reads (prefetch.py): every shard a batch of windows touches, in parallel
 (`ready`); the next shards while reads go through them in order; the whole dataset when it
 fits the cache's limit; and the shards a sample order reads next, within a share of that
-limit, kept from eviction until the next look (`fetch_ahead`).
+limit, kept from eviction until the next look (`prefetch_items`).
 """
 
 from __future__ import annotations
@@ -104,7 +104,9 @@ class BucketSource(ShardSource):
         """Fetched at once and in parallel, waited for: every shard of a batch."""
         self._prefetcher().wait(shards)
 
-    def fetch_ahead(self, need: dict[int, int], opened: Container[int], share: float) -> int | None:
+    def prefetch_items(
+        self, need: dict[int, int], opened: Container[int], share: float
+    ) -> int | None:
         """Starts the downloads of the needed shards that the cache lacks, in order of need,
         as far as `share` of the cache's limit goes; until the next call they are kept from
         eviction and the shards needed after them evicted last. A shard known to be cached

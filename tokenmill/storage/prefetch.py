@@ -5,7 +5,7 @@ fetched at once and in parallel before the batch is read (`wait`); the shards af
 just opened, when reads go through the shards in order (`ahead`); and, when the whole
 dataset fits the cache's limit, every shard in turn (`fill`: one process per machine fills,
 the others skip a shard another holds). A read never waits for more than its own shards. A
-distributor with a shuffled order fetches ahead of it (training/order_ahead.py).
+distributor with a shuffled order fetches ahead of it (training/order_prefetch.py).
 The threads are daemons of this process (a forked DataLoader worker makes its own), and
 end when the store that started them is collected (`close`).
 """

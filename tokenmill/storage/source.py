@@ -54,7 +54,7 @@ class ShardSource:
     manifest: dict | None
     shards: list[tuple[str, dict]]
     opens_keys_alone = False  # one key of a shard opens for less than the whole shard
-    prefetches = False  # downloads ahead of the reads: `ready` and `fetch_ahead` do something
+    prefetches = False  # downloads ahead of the reads: `ready` and `prefetch_items` do something
 
     def open(self, s: int) -> dict[str, Column]:
         """Shard s's columns, mapped read-only."""
@@ -69,7 +69,9 @@ class ShardSource:
     def ready(self, shards: list[int]) -> None:
         """These shards made ready to open at once, before a batch reads them all."""
 
-    def fetch_ahead(self, need: dict[int, int], opened: Container[int], share: float) -> int | None:
+    def prefetch_items(
+        self, need: dict[int, int], opened: Container[int], share: float
+    ) -> int | None:
         """Starts fetching the shards a sample order reads next (`need`: shard -> the first
         item that reads it, in order), those `opened` aside, as far as `share` of the cache's
         limit goes. Returns the first item not covered, or None."""

@@ -4,6 +4,6 @@ open_views (views, and what a store holds open of them between reads) -> store (
 interface) -> mmap_store (shards, read through storage/'s shard source: a local folder, or a
 bucket through the machine's cache) | jsonl_store -> factory -> datasets | record_datasets ->
 windows -> hf_names -> dataset_factory -> order (the sample order) -> state (resume-state
-checks) -> order_ahead (shards fetched ahead of the order) -> sampler. Reaches preprocessing
+checks) -> order_prefetch (shards fetched ahead of the order) -> sampler. Reaches preprocessing
 only through the raw-JSONL route (jsonl_store, dataset_factory).
 """

@@ -115,11 +115,11 @@ class _StreamDataset(BaseDataset):
         return WindowBatch({k: torch.from_numpy(v) for k, v in arrays.items()})
 
     def __len__(self) -> int:
-        return int(self.store.num_samples)
+        return int(self.store.num_windows)
 
     def item_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """The stream positions [first, last] items read (a window and its one more token):
-        what a bucket's shards are fetched ahead for (`MmapStore.fetch_ahead`)."""
+        what a bucket's shards are fetched ahead for (`MmapStore.prefetch_items`)."""
         first = (indices % len(self)) * int(self.store.stride)
         return first, first + int(self.store.window_size)
 
@@ -150,7 +150,7 @@ class _StreamDataset(BaseDataset):
         """(windows, stride, window size), fixed once the store is loaded."""
         if self._windows is None:
             store = self.store
-            self._windows = (int(store.num_samples), int(store.stride), int(store.window_size))
+            self._windows = (int(store.num_windows), int(store.stride), int(store.window_size))
         return self._windows
 
     def _cut_params(self) -> str:
@@ -224,7 +224,7 @@ class SFTDataset(_StreamDataset):
     def _rows(self) -> tuple[np.ndarray, np.ndarray]:
         """Each row's start in the token stream and its length; every row must open a
         document (`opens_document`)."""
-        lengths = np.asarray(self.store.record_lengths("sequence"), dtype=np.int64)
+        lengths = np.asarray(self.store.row_lengths("sequence"), dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         inside = int(np.count_nonzero(~self._opens(starts))) if self._marks() else 0
         if inside:
@@ -244,7 +244,7 @@ class SFTDataset(_StreamDataset):
             inner = np.flatnonzero(opens_document(positions[1:], positions[:-1])) + 1
             starts = np.concatenate([[0] if len(positions) else [], inner]).astype(np.int64)
         else:
-            total = int(np.asarray(self.store.record_lengths("doc_lengths")).sum())
+            total = int(np.asarray(self.store.row_lengths("doc_lengths")).sum())
             pieces = self.store.fetch(0, total, "doc_lengths").numpy().astype(np.int64)
             piece_starts = np.concatenate([[0], np.cumsum(pieces)[:-1]]).astype(np.int64)
             if self._marks():
@@ -351,6 +351,6 @@ class SFTDataset(_StreamDataset):
         """The documents of item `index` as lengths in its inputs (the last one a token short)."""
         if self.sample == "record":
             return torch.tensor([inputs] if inputs else [], dtype=torch.int64)
-        lengths = self.store.fetch_record(index, "doc_lengths").to(torch.int64)
+        lengths = self.store.fetch_row(index, "doc_lengths").to(torch.int64)
         lengths[-1] -= 1
         return lengths[lengths > 0]

@@ -90,9 +90,7 @@ class JsonlStore(Store):
 
     def _loaded(self) -> list[ShardView]:
         if self.processor is not None:
-            raise ValueError(
-                "a JsonlStore loaded with processor= reads records only (fetch_record)"
-            )
+            raise ValueError("a JsonlStore loaded with processor= reads records only (fetch_row)")
         return super()._loaded()
 
     @property
@@ -104,15 +102,15 @@ class JsonlStore(Store):
         return list(self._lazy_keys)
 
     @property
-    def num_records(self) -> int:
-        return len(self._line_pos) if self.processor is not None else super().num_records
+    def num_rows(self) -> int:
+        return len(self._line_pos) if self.processor is not None else super().num_rows
 
     def __len__(self) -> int:
-        return self.num_records if self.processor is not None else super().__len__()
+        return self.num_rows if self.processor is not None else super().__len__()
 
-    def fetch_record(self, i: int, keys: str | list[str]) -> Any:
+    def fetch_row(self, i: int, keys: str | list[str]) -> Any:
         if self.processor is None:
-            return super().fetch_record(i, keys)
+            return super().fetch_row(i, keys)
         out = self._process(i)
         wanted = [keys] if isinstance(keys, str) else keys
         missing = [k for k in wanted if k not in out]

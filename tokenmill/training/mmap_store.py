@@ -4,7 +4,7 @@ Opening costs O(shards), not O(records): each shard's meta.json at load, its fil
 first use. The shards are read through a source (storage/source.py): a local folder's where
 they lie, a dataset at a URL (s3://...) through the machine's shard cache; the store asks it
 to make ready the shards a batch of windows reads, and to fetch ahead the shards a sample
-order reads next (order_ahead.py). Pickling carries paths, never data, so DataLoader workers
+order reads next (order_prefetch.py). Pickling carries paths, never data, so DataLoader workers
 map the files themselves and share the page cache.
 """
 
@@ -134,11 +134,13 @@ class MmapStore(Store):
                 source.ready(missing)
         return super().fetch_windows(begins, length, keys)
 
-    # --- ahead of a sample order (order_ahead.OrderReadAhead) ---------------------------------
-    def fetch_ahead(self, first: np.ndarray, last: np.ndarray | None, share: float) -> int | None:
+    # --- ahead of a sample order (order_prefetch.OrderPrefetch) ---------------------------------
+    def prefetch_items(
+        self, first: np.ndarray, last: np.ndarray | None, share: float
+    ) -> int | None:
         """Has the source fetch the shards holding items [first, last] (stream positions, or
         with `last` None record indices) in order of need, as far as `share` of its cache's
-        limit goes (storage.source.ShardSource.fetch_ahead). Returns the place of the first
+        limit goes (storage.source.ShardSource.prefetch_items). Returns the place of the first
         item not covered, or None."""
         source = self._source()
         starts = self._view_starts if last is not None else np.asarray(self._record_starts)
@@ -149,7 +151,11 @@ class MmapStore(Store):
         need: dict[int, int] = {}  # shard -> the first item that needs it
         for k, view in enumerate(np.stack([a, b], axis=1).reshape(-1).tolist()):
             need.setdefault(view, k // 2)
-        return source.fetch_ahead(need, self._opened, share)
+        return source.prefetch_items(need, self._opened, share)
+
+    def fetch_ahead(self, first: np.ndarray, last: np.ndarray | None, share: float) -> int | None:
+        """Deprecated: `prefetch_items`."""
+        return self.prefetch_items(first, last, share)
 
     def fits_cache(self) -> bool:
         """The whole dataset fits the cache's limit: nothing is ever evicted."""

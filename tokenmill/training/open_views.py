@@ -4,7 +4,7 @@ A view is one shard (or one in-memory JSONL load): its sizes and dtypes, and its
 given or opened on first use. A store keeps at most `max_open_shards` opened views (least
 recently read closed first: an open shard holds a file descriptor per file), the view read
 last with its stream values (`_hot`: an item inside it is one slice), and the record maps
-of plain keys of open views (`fetch_record`'s short way). Whatever the limit closes, every
+of plain keys of open views (`fetch_row`'s short way). Whatever the limit closes, every
 one of them forgets; none is pickled: a copy opens its own.
 """
 

@@ -23,16 +23,16 @@ class RecordDataset(BaseDataset):
         self._lengths: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return int(self.store.num_records)
+        return int(self.store.num_rows)
 
     def _record(self, index: int) -> dict[str, Any]:
-        return self.store.fetch_record(self._check_index(index), list(self.keys))
+        return self.store.fetch_row(self._check_index(index), list(self.keys))
 
     def _all_lengths(self) -> np.ndarray | None:
         """Per-record token counts summed over `length_keys`, or None if the store cannot say."""
-        if self._lengths is None and hasattr(self.store, "record_lengths"):
+        if self._lengths is None and hasattr(self.store, "row_lengths"):
             try:  # a lazy store has no offsets: lengths are known only once a record is processed
-                per_key = [np.asarray(self.store.record_lengths(k)) for k in self.length_keys]
+                per_key = [np.asarray(self.store.row_lengths(k)) for k in self.length_keys]
             except ValueError:
                 return None
             self._lengths = np.sum([self._capped(n) for n in per_key], axis=0).astype(np.int64)
@@ -118,9 +118,9 @@ class GRPODataset(RecordDataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if "responses" not in self.store.keys:
-            prompts = self.store.fetch_record(self._check_index(index), "prompts")
+            prompts = self.store.fetch_row(self._check_index(index), "prompts")
             return {"prompts": torch.as_tensor(prompts).long().reshape(-1)}
-        record = self.store.fetch_record(
+        record = self.store.fetch_row(
             self._check_index(index), ["prompts", "responses", "masks", "rewards"]
         )
         responses = [torch.as_tensor(r).long() for r in record["responses"]]

@@ -20,7 +20,7 @@ from tokenmill.training.order import (
     epoch_end,
     order_blocks,
 )
-from tokenmill.training.order_ahead import order_read_ahead
+from tokenmill.training.order_prefetch import order_prefetch
 from tokenmill.training.state import check_state, data_fingerprint, order_setup, order_state
 
 
@@ -102,10 +102,12 @@ class RDSampler(Sampler[int]):
         check_state("RDSampler", state, self._setup())
         self.epoch = int(state["epoch"])
         self._set_consumed(int(state["consumed"]))
-        ahead = int(state.get("handed_out", 0)) - int(state["consumed"])
+        unconsumed = int(state.get("handed_out", 0)) - int(state["consumed"])
         # handed out, never advanced: unless a StatefulDataLoader positions the iterator
         # next (it loads the iterator's own state), a resume would repeat those samples
-        self._unpositioned = ahead if ahead > 0 and not state.get("advanced", True) else None
+        self._unpositioned = (
+            unconsumed if unconsumed > 0 and not state.get("advanced", True) else None
+        )
         self.handed_out, self.advanced = self.consumed, bool(state.get("advanced", False))
 
     def _refuse_unpositioned(self) -> None:
@@ -134,14 +136,14 @@ class OrderIterator(Iterator[int]):
         self._indices = order_blocks(
             consumed + s.rank, self.end, s.world_size, s.num_items, s.seed, epoch, s.shuffle
         )
-        self._ahead = order_read_ahead(s.dataset, s.seed, s.shuffle)  # None: data on disk
+        self._prefetch = order_prefetch(s.dataset, s.seed, s.shuffle)  # None: data on disk
 
     def __next__(self) -> int:
         if self.yielded == 0:
             self.sampler._refuse_unpositioned()
         index = next(self._indices)
-        if self._ahead is not None:
-            self._ahead(
+        if self._prefetch is not None:
+            self._prefetch(
                 self.position + self.sampler.rank, self.end, self.sampler.world_size, self.epoch
             )
         self.yielded += 1

@@ -1,7 +1,7 @@
-"""The Store interface: stream access by window and record access by offsets.
+"""The Store interface: stream access by window and row access by offsets.
 
 `fetch(begin, end, keys)` reads a key's stream across shard boundaries;
-`fetch_record(i, keys)` reads record i by its offsets. MmapStore (shards) and JsonlStore
+`fetch_row(i, keys)` reads row i by its offsets. MmapStore (shards) and JsonlStore
 (raw or pre-tokenized JSONL) fill it with views: one per shard, or one in-memory load; what
 a store holds open of them between reads is open_views.py's.
 """
@@ -50,7 +50,7 @@ class _KeyValues:
 
 
 class Store(OpenViews):
-    """Stream access (`fetch`, `sample_window`) and record access (`fetch_record`) over views."""
+    """Stream access (`fetch`, `window_at`) and row access (`fetch_row`) over views."""
 
     def __init__(self, window_size: int | None = None, stride: int | None = None):
         for name, value in (("window_size", window_size), ("stride", stride)):
@@ -65,7 +65,7 @@ class Store(OpenViews):
         self._values: dict[str, _KeyValues] = {}  # key -> each view's values
         self._shared_starts: list[int] = []  # the primary key's view starts
         self._stream_keys: set[str] = set()  # the keys whose views start where the primary's do
-        self._num_samples = 0
+        self._num_windows = 0
         self._hold(None)
 
     def load(
@@ -98,15 +98,15 @@ class Store(OpenViews):
         self._shared_starts = self._starts[primary_key(self._keys)]
         self._stream_keys = {k for k, st in self._starts.items() if st == self._shared_starts}
         self._hold(views)
-        if self.window_size is not None:  # fixed at load: sample_window runs once per item
-            self._num_samples = window_count(
+        if self.window_size is not None:  # fixed at load: window_at runs once per item
+            self._num_windows = window_count(
                 self.token_count, self.window_size, self.stride or self.window_size
             )
 
     def _key_values(self, s: int, key: str) -> np.ndarray:
         """View s's values of one key. A store that can open one key of a view alone (a
         remote one: one file to download, not the shard) overrides this and `_key_bounds`;
-        reads across views and index-time scans (`gather`, `record_lengths`) go through them."""
+        reads across views and index-time scans (`gather`, `row_lengths`) go through them."""
         return self._columns(s)[key].values
 
     def _key_bounds(self, s: int, key: str) -> Column:
@@ -130,32 +130,32 @@ class Store(OpenViews):
         return int(self._starts[primary_key(self._keys)][-1])
 
     @property
-    def num_records(self) -> int:
+    def num_rows(self) -> int:
         self._loaded()
         return int(self._record_starts[-1])
 
     @property
-    def num_samples(self) -> int:
+    def num_windows(self) -> int:
         if self.window_size is None:
             raise ValueError(
                 "this store has no window_size; create it with StoreFactory.create(fmt, window_size=N)"
             )
         self._loaded()
-        return self._num_samples
+        return self._num_windows
 
     def __len__(self) -> int:
-        return self.num_samples if self.window_size is not None else self.num_records
+        return self.num_windows if self.window_size is not None else self.num_rows
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if self.window_size is None:
-            return self.fetch_record(i, self.keys)
-        return self.fetch(*self.sample_window(i), self.keys)
+            return self.fetch_row(i, self.keys)
+        return self.fetch(*self.window_at(i), self.keys)
 
     # --- stream access -------------------------------------------------------------------
-    def sample_window(self, i: int) -> tuple[int, int]:
+    def window_at(self, i: int) -> tuple[int, int]:
         """[begin, end) of window i; the token at `end` exists, for the shifted target."""
-        if not 0 <= i < self._num_samples:
-            raise IndexError(f"window {i} out of range [0, {self.num_samples})")
+        if not 0 <= i < self._num_windows:
+            raise IndexError(f"window {i} out of range [0, {self.num_windows})")
         return window_bounds(i, self.window_size or 0, self.stride or 0)
 
     def fetch(self, begin: int, end: int, keys: str | list[str]) -> Any:
@@ -268,11 +268,11 @@ class Store(OpenViews):
             pos, s = stop, s + 1
         return np.concatenate(pieces)
 
-    # --- record access -------------------------------------------------------------------
-    def fetch_record(self, i: int, keys: str | list[str]) -> Any:
-        """Record i: a tensor per plain key, a list of tensors per list key."""
+    # --- row access ----------------------------------------------------------------------
+    def fetch_row(self, i: int, keys: str | list[str]) -> Any:
+        """Row i: a tensor per plain key, a list of tensors per list key."""
         if not isinstance(keys, str):
-            return {key: self.fetch_record(i, key) for key in keys}
+            return {key: self.fetch_row(i, key) for key in keys}
         s = bisect_right(self._record_starts, i) - 1
         # a plain key of a view read before: near the raw read's cost (records are small, many)
         found = self._records.get((s, keys))  # none past the ends: _value raises
@@ -286,16 +286,16 @@ class Store(OpenViews):
 
     def _value(self, i: int, key: str) -> Any:
         """Record i's array of `key` (a list of arrays for a list key), by bisection; a plain
-        key's maps are kept for fetch_record while the view stays open."""
+        key's maps are kept for fetch_row while the view stays open."""
         starts = self._record_starts
         s = bisect_right(starts, i) - 1
         if i < 0 or s + 1 >= len(starts):
-            raise IndexError(f"record {i} out of range [0, {self.num_records})")
+            raise IndexError(f"row {i} out of range [0, {self.num_rows})")
         col = self._columns(s).get(key)
         if col is None or col.offsets is None:
             self._key(key)  # names a key that is not in the store
             raise ValueError(
-                f"{self._loaded()[s].name}: key {key!r} has no record offsets, so it reads "
+                f"{self._loaded()[s].name}: key {key!r} has no row offsets, so it reads "
                 "only as a stream (fetch)"
             )
         if col.items is None and self._held(s):  # kept while the view stays open
@@ -306,15 +306,38 @@ class Store(OpenViews):
         items = col.items[begin : end + 1].tolist()
         return [col.values[items[j] : items[j + 1]] for j in range(end - begin)]
 
-    def record_lengths(self, key: str) -> np.ndarray:
-        """Elements of `key` in each record (all items of a list key), from offsets alone."""
+    def row_lengths(self, key: str) -> np.ndarray:
+        """Elements of `key` in each row (all items of a list key), from offsets alone."""
         views = []
         for s, view in enumerate(self._loaded()):
             col = self._key_bounds(s, self._key(key))
             if col.offsets is None:
-                raise ValueError(f"{view.name}: key {key!r} has no record offsets")
+                raise ValueError(f"{view.name}: key {key!r} has no row offsets")
             views.append(np.diff(col.offsets if col.items is None else col.items[col.offsets]))
         return np.concatenate(views).astype(np.int64) if views else np.empty(0, np.int64)
+
+    # --- names before the vocabulary of docs/dataflow.md (a stored record is a row) ----------
+    def fetch_record(self, i: int, keys: str | list[str]) -> Any:
+        """Deprecated: `fetch_row`."""
+        return self.fetch_row(i, keys)
+
+    @property
+    def num_records(self) -> int:
+        """Deprecated: `num_rows`."""
+        return self.num_rows
+
+    def record_lengths(self, key: str) -> np.ndarray:
+        """Deprecated: `row_lengths`."""
+        return self.row_lengths(key)
+
+    @property
+    def num_samples(self) -> int:
+        """Deprecated: `num_windows`."""
+        return self.num_windows
+
+    def sample_window(self, i: int) -> tuple[int, int]:
+        """Deprecated: `window_at`."""
+        return self.window_at(i)
 
 
 def cumulative(lengths: list[int]) -> list[int]:
@@ -323,5 +346,5 @@ def cumulative(lengths: list[int]) -> list[int]:
 
 
 def as_tensors(value: Any) -> Any:
-    """A record's array as a tensor, a list key's arrays as a list of tensors (writable copies)."""
+    """A row's array as a tensor, a list key's arrays as a list of tensors (writable copies)."""
     return [to_tensor(v) for v in value] if isinstance(value, list) else to_tensor(value)

@@ -1,6 +1,6 @@
 """Shards fetched ahead of a sample order: the positions a distributor reads next, mapped to
 their items (`training.order.order_at`) and handed to the store, which has its shard source
-fetch the shards holding them (`MmapStore.fetch_ahead`). Nothing to do for shards on local
+fetch the shards holding them (`MmapStore.prefetch_items`). Nothing to do for shards on local
 disk, nor for a source without prefetch threads."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import numpy as np
 
 from tokenmill.training.order import order_at, worker_of
 
-ORDER_LOOKAHEAD = 128  # positions of the sample order whose shards are fetched ahead (0: off)
-LOOK_EVERY = 32  # positions read between two looks ahead
-AHEAD_SHARE = 0.5  # of the cache limit, for the shards looked ahead at (all workers together)
+PREFETCH_POSITIONS = 128  # positions of the sample order whose shards are fetched ahead (0: off)
+PREFETCH_EVERY = 32  # positions read between two looks ahead
+PREFETCH_SHARE = 0.5  # of the cache limit, for the shards looked ahead at (all workers together)
 
 
-def order_read_ahead(
+def order_prefetch(
     dataset: Any, seed: int, shuffle: bool, share: tuple[int, int, int] | None = None
-) -> OrderReadAhead | None:
+) -> OrderPrefetch | None:
     """What fetches a dataset's shards ahead of its sample order (`training.order.order_at`),
     or None where there is nothing to fetch (shards on local disk, prefetch=0). `share`:
     (worker, workers, block) when a loader worker reads blocks worker, worker + workers, ...
@@ -26,15 +26,15 @@ def order_read_ahead(
     block 0 (packing: every worker walks every index), worker 0 fetches ahead for all."""
     store = getattr(dataset, "store", None)
     source = getattr(store, "source", None)  # storage.source.ShardSource
-    if ORDER_LOOKAHEAD <= 0 or source is None or not source.prefetches:
+    if PREFETCH_POSITIONS <= 0 or source is None or not source.prefetches:
         return None
-    if not hasattr(store, "fetch_ahead"):
+    if not hasattr(store, "prefetch_items"):
         return None
     if share is not None and share[2] == 0:
         if share[0] != 0:
             return None
         share = None
-    return OrderReadAhead(dataset, seed, shuffle, share or (0, 1, 1))
+    return OrderPrefetch(dataset, seed, shuffle, share or (0, 1, 1))
 
 
 def own_positions(positions: np.ndarray, given: int, share: tuple[int, int, int]) -> np.ndarray:
@@ -44,10 +44,10 @@ def own_positions(positions: np.ndarray, given: int, share: tuple[int, int, int]
     return positions[worker_of(given + np.arange(len(positions)), block, workers) == worker]
 
 
-class OrderReadAhead:
-    """Called with each position a distributor reads; every `LOOK_EVERY` positions, looks at
-    the next `ORDER_LOOKAHEAD` positions that this worker reads and has the store fetch their
-    items' shards ahead (`MmapStore.fetch_ahead`), within `AHEAD_SHARE` of the cache's limit;
+class OrderPrefetch:
+    """Called with each position a distributor reads; every `PREFETCH_EVERY` positions, looks at
+    the next `PREFETCH_POSITIONS` positions that this worker reads and has the store fetch their
+    items' shards ahead (`MmapStore.prefetch_items`), within `PREFETCH_SHARE` of the cache's limit;
     once every shard is known cached and none can be evicted, a call costs nothing."""
 
     def __init__(self, dataset: Any, seed: int, shuffle: bool, share: tuple[int, int, int]) -> None:
@@ -61,15 +61,15 @@ class OrderReadAhead:
         given, self.calls = self.calls, self.calls + 1
         if self.done or (epoch == self.epoch and position < self.next):
             return
-        self.epoch, self.next = epoch, position + LOOK_EVERY * step
+        self.epoch, self.next = epoch, position + PREFETCH_EVERY * step
         if self.store.all_cached():
             self.done = True
             return
-        positions = np.arange(position, min(end, position + ORDER_LOOKAHEAD * step), step)
+        positions = np.arange(position, min(end, position + PREFETCH_POSITIONS * step), step)
         positions = own_positions(positions, given, self.share)
         indices = order_at(positions, self.n, self.seed, epoch, self.shuffle)
         ranges = self.dataset.item_ranges(indices)
         first, last = ranges if ranges is not None else (indices, None)
-        stop = self.store.fetch_ahead(first, last, AHEAD_SHARE / self.share[1])  # per worker
+        stop = self.store.prefetch_items(first, last, PREFETCH_SHARE / self.share[1])  # per worker
         if stop is not None:  # the budget stopped it: look again halfway to that item
             self.next = position + max(1, stop * self.share[1] // 2) * step
