@@ -385,9 +385,9 @@ def test_a_killed_shard_write_is_retried_and_leaves_no_orphan(
     marker = tmp_path / "crashed-once"
     write_rows = ray_writer.write_rows
 
-    def crash_once(domain_dir, index, *args):  # defined here: Ray ships it by value to workers
-        tmp, info = write_rows(domain_dir, index, *args)
-        if index == 1 and not marker.exists():
+    def crash_once(spec, *args):  # defined here: Ray ships it by value to workers
+        tmp, info = write_rows(spec, *args)
+        if spec.first_index == 1 and not marker.exists():
             marker.touch()
             os._exit(1)  # the task's process dies with its temp shard written, not yet published
         return tmp, info

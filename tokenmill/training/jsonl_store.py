@@ -184,7 +184,7 @@ def _masker(config: Any, tokenizer_path: str | Path) -> tuple[Callable, dict]:
     from tokenmill.preprocess.document.masking import RecordMasker
 
     masker = RecordMasker(config, load_tokenizer(tokenizer_path))
-    return masker.process, masker.dtypes()
+    return masker.process, masker.layout.dtypes()
 
 
 def _pretokenized(record: dict, source: str, line: int) -> dict:

@@ -43,14 +43,6 @@ class RecordMasker:
         self.bundle = self.parts.bundle
         self._dtypes = self.layout.dtypes()
 
-    def dtypes(self) -> dict[str, str]:
-        """The stored dtype of each output key (the layout's)."""
-        return self.layout.dtypes()
-
-    def primary_key(self) -> str:
-        """The key shards are cut by (the layout's)."""
-        return self.layout.primary_key()
-
     def take_premade(self, premade: Premade) -> None:
         """What a chunk preencoded and prerendered for its records (chunks.py), each taken once
         by its record's own pass."""

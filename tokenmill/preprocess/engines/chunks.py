@@ -297,7 +297,7 @@ def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
     written = sum(len(v) for v in by_domain.values())
     result = ChunkResult(chunk.index, read, written, rows, errors, ledgers)
     result.trained_tokens = sum(schema.trained_tokens(row) for _, row in rows)
-    primary = masker.primary_key()
+    primary = masker.layout.primary_key()
     result.sizes = [row_tokens(row[primary]) for _, row in rows]
     return result
 

@@ -23,7 +23,7 @@ from itertools import chain, islice
 from multiprocessing import get_context
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenmill.shards.writer import ShardWriter, shard_spec
+from tokenmill.shards.writer import ShardSpec, ShardWriter
 
 if TYPE_CHECKING:  # the chunk machinery (tokenizer, templates) loads when a run starts
     from tokenmill.preprocess.config import PipelineConfig
@@ -48,9 +48,8 @@ class Engine(Protocol):
         first_chunk: int,
     ) -> Generator[ChunkResult, None, None]: ...
 
-    def writer(self, *spec: Any, bucket: Any = None) -> Any:
-        """The shard writer of one domain: `spec` is its ShardSpec (or the spec's six fields,
-        as the pipeline gives them until it passes a ShardSpec)."""
+    def writer(self, spec: ShardSpec, bucket: Any = None) -> Any:
+        """The shard writer of one domain's shards."""
         ...
 
 
@@ -134,9 +133,9 @@ class LocalEngine:
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
 
-    def writer(self, *spec: Any, bucket: Any = None) -> ShardWriter:
+    def writer(self, spec: ShardSpec, bucket: Any = None) -> ShardWriter:
         """A ShardWriter here; a bucket's uploads are the BucketOutput's."""
-        return ShardWriter(shard_spec(*spec))
+        return ShardWriter(spec)
 
 
 def _groups(chunks: Iterator[Chunk], size: int) -> Iterator[list[Chunk]]:

@@ -31,7 +31,7 @@ from tokenmill.preprocess.engines.chunks import ChunkResult
 from tokenmill.preprocess.inputs.files import InputPath
 from tokenmill.preprocess.ray.results import ray_results
 from tokenmill.preprocess.ray.writer import RayShardWriter, Upload
-from tokenmill.shards.writer import ShardWriter, shard_spec
+from tokenmill.shards.writer import ShardSpec, ShardWriter
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
 
@@ -110,9 +110,8 @@ class RayEngine:
             self.ray, files, args, self.workers, first_chunk=first_chunk, rows_here=self.rows_here
         )
 
-    def writer(self, *spec: Any, bucket: Any = None) -> RayShardWriter | ShardWriter:
-        """The shard writer of one domain's ShardSpec (or its six fields: engine.py's Engine)."""
-        shards = shard_spec(*spec)
+    def writer(self, shards: ShardSpec, bucket: Any = None) -> RayShardWriter | ShardWriter:
+        """The shard writer of one domain's shards."""
         if self.rows_here:  # a bucket's uploads are then the local engine's (BucketOutput)
             return ShardWriter(shards)
         upload = None
@@ -121,12 +120,7 @@ class RayEngine:
             upload = Upload(bucket.remote, bucket.rel("" if domain == "." else domain))
         return RayShardWriter(
             self.ray,
-            shards.domain_dir,
-            shards.dtypes,
-            shards.primary_key,
-            shards.max_tokens_per_shard,
-            shards.storage_format,
-            first_index=shards.first_index,
+            shards,
             upload=upload,
             before_upload=bucket.sync_journal if bucket is not None else None,
         )

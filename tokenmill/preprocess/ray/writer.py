@@ -11,14 +11,14 @@ from __future__ import annotations
 import collections
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from tokenmill.shards.files import publish
 from tokenmill.shards.format import TMP_MARK, shard_name
-from tokenmill.shards.writer import ShardCutter, ShardWriter
+from tokenmill.shards.writer import ShardCutter, ShardSpec, ShardWriter
 from tokenmill.storage.remote import Remote
 
 
@@ -41,21 +41,18 @@ class RowRef:
 
 
 def write_rows(
-    domain_dir: str,
-    index: int,
+    spec: ShardSpec,
     where: list[tuple[int, int, int]],
-    dtypes: dict[str, str],
-    primary_key: str,
-    storage_format: str,
     upload: Upload | None,
     *blocks: Any,
 ) -> tuple[str | None, dict]:
-    """A Ray task: gathers shard `index`'s rows from the blocks that hold them and stages it
-    with the local ShardWriter (temp place, fsynced, checksummed); the driver publishes it.
-    With `upload`, the task uploads the staged shard (meta.json last) and removes it."""
+    """A Ray task: gathers shard `spec.first_index`'s rows from the blocks that hold them and
+    stages it with the local ShardWriter (temp place, fsynced, checksummed); the driver
+    publishes it. With `upload`, the task uploads the staged shard (meta.json last) and
+    removes it."""
     # a Ray Data block's `rows` column, or the list the driver put for the chunks it processed
     chunks = [b if isinstance(b, list) else block_rows(b) for b in blocks]
-    writer = ShardWriter(Path(domain_dir), dtypes, primary_key, _NO_CUT, storage_format, index)
+    writer = ShardWriter(spec)
     for b, row, item in where:
         writer.add(chunks[b][row].rows[item])
     tmp, info = writer.stage()
@@ -87,20 +84,17 @@ class RayShardWriter:
     def __init__(
         self,
         ray: ModuleType,
-        domain_dir: Path,
-        dtypes: dict[str, str],
-        primary_key: str,
-        max_tokens_per_shard: int,
-        storage_format: str = "bin",
-        first_index: int = 0,
+        spec: ShardSpec,
         in_flight: int = 4,
         upload: Upload | None = None,
         before_upload: Callable[[], None] | None = None,
     ):
-        self.ray, self.domain_dir, self.dtypes = ray, Path(domain_dir), dtypes
-        self.primary_key, self.storage_format = primary_key, storage_format
-        self.index, self.in_flight = first_index, in_flight
-        self.cutter = ShardCutter(max_tokens_per_shard)
+        self.ray = ray
+        self.spec = spec
+        self.domain_dir = spec.domain_dir
+        self.index = spec.first_index
+        self.in_flight = in_flight
+        self.cutter = ShardCutter(spec.max_tokens_per_shard)
         self.rows: list[RowRef] = []
         self.pending: collections.deque = collections.deque()  # (name, future of write_rows)
         self.written: list[str] = []  # names this writer wrote, whose stray temps it removes
@@ -123,21 +117,14 @@ class RayShardWriter:
             return
         while self.pending and (len(self.pending) >= self.in_flight or self._done(self.pending[0])):
             self._publish_next()
-        name = shard_name(self.index, self.storage_format)
+        name = shard_name(self.index, self.spec.storage_format)
         blocks: dict[Any, int] = {}
         where = [(blocks.setdefault(r.block, len(blocks)), r.row, r.item) for r in self.rows]
         if self.before_upload is not None:
             self.before_upload()  # the journal lines of these rows reach the bucket first
-        future = self.task.remote(
-            str(self.domain_dir),
-            self.index,
-            where,
-            self.dtypes,
-            self.primary_key,
-            self.storage_format,
-            self.upload,
-            *blocks,
-        )
+        # the task stages exactly the rows it is given: the driver made the cut
+        spec = replace(self.spec, first_index=self.index, max_tokens_per_shard=_NO_CUT)
+        future = self.task.remote(spec, where, self.upload, *blocks)
         self.pending.append((name, future))
         self.written.append(name)
         self.index += 1

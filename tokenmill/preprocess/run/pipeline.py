@@ -42,7 +42,7 @@ from tokenmill.preprocess.run.upload import BucketOutput
 from tokenmill.shards.files import write_atomic
 from tokenmill.shards.format import RUN_DIR, natural_key
 from tokenmill.shards.manifest import read_manifest, write_manifest
-from tokenmill.shards.writer import ShardWriter
+from tokenmill.shards.writer import ShardSpec, ShardWriter
 from tokenmill.storage.location import output_location
 from tokenmill.storage.remote import Remote
 
@@ -128,7 +128,7 @@ class Pipeline:
             return done
         journal = Journal(self._out, run_id, inputs)
         published = self.bucket.published if self.bucket is not None else None
-        state = journal.resume(self._out, masker.primary_key(), published)
+        state = journal.resume(self._out, masker.layout.primary_key(), published)
         if self.bucket is not None:
             self.bucket.start()
         summary, rejects = state.summary, state.rejects
@@ -247,15 +247,15 @@ class Pipeline:
         """The domain's shard writer, from the engine (same cut on every engine)."""
         domain_dir = self._out / domain if domain else self._out
         out = self.config.output
-        return self._engine.writer(
+        spec = ShardSpec(
             domain_dir,
-            masker.dtypes(),
-            masker.primary_key(),
+            masker.layout.dtypes(),
+            masker.layout.primary_key(),
             out.max_tokens_per_shard,
             out.storage_format,
             first_index,
-            bucket=self.bucket,
         )
+        return self._engine.writer(spec, bucket=self.bucket)
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:
@@ -321,8 +321,8 @@ class Pipeline:
             "chat_template": template_identity(masker.bundle, self.config.chat_template),
             "run_id": run_id,
             "config": self.config.model_dump(mode="json"),
-            "keys": masker.dtypes(),
-            "primary_key": masker.primary_key(),
+            "keys": masker.layout.dtypes(),
+            "primary_key": masker.layout.primary_key(),
             "storage_format": self.config.output.storage_format,
             "inputs": [str(f) for f in files],
             "domains": {d: domains[d] for d in sorted(domains, key=lambda d: natural_key(Path(d)))},
