@@ -190,3 +190,21 @@ def test_the_format_and_preprocessing_never_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_only_storage_asks_where_a_path_lives():
+    """Whether a path is a URL is asked in storage/ alone (its shard source, its locations):
+    no other module spells `://` or calls `is_url`."""
+    asking = []
+    for module, path in modules().items():
+        if folder(module) == "storage":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value == "://":
+                asking.append(f"{module}:{node.lineno}: '://'")
+            elif isinstance(node, (ast.Name, ast.alias)) and "is_url" in (
+                getattr(node, "id", None),
+                getattr(node, "name", None),
+            ):
+                asking.append(f"{module}:{node.lineno}: is_url")
+    assert not asking, "\n".join(asking)

@@ -14,8 +14,15 @@ from tokenmill.dataflow.collators import (
     DefaultBatchCollator,
     DPOPaddingCollator,
     GRPOPaddingCollator,
+    KTOPaddingCollator,
     PackedCollator,
     SFTPaddingCollator,
+)
+from tokenmill.dataflow.packed_preferences import (
+    PackedDPOCollator,
+    PackedGRPOCollator,
+    PackedKTOCollator,
+    packed_tokens,
 )
 from tokenmill.training.windows import WindowBatch
 
@@ -45,6 +52,21 @@ def sft_item(ids: list[int], mask: list[int], positions: list[int]) -> dict:
         "target_ids": L(*ids[1:]),
         "loss_mask": B(*mask[1:]),
         "position_ids": L(*positions[:-1]),
+    }
+
+
+def kto_item(ids: list[int], mask: list[int], label: float) -> dict:
+    return {"completion": L(*ids), "completion_mask": B(*mask), "label": torch.tensor(label)}
+
+
+def grpo_item(
+    prompt: list[int], responses: list[list[int]], masks: list[list[int]], rewards: list[float]
+) -> dict:
+    return {
+        "prompts": L(*prompt),
+        "responses": [L(*r) for r in responses],
+        "masks": [B(*m) for m in masks],
+        "rewards": torch.tensor(rewards),
     }
 
 
@@ -81,6 +103,20 @@ def test_default_refuses_unequal_lengths_and_missing_keys():
         DefaultBatchCollator()([{"a": L(1)}, {"b": L(1)}])
     with pytest.raises(ValueError, match="empty group"):
         DefaultBatchCollator()([])
+
+
+def test_default_names_the_collator_that_items_of_other_lengths_take():
+    sft = [sft_item([1, 2, 3], [0, 1, 1], [0, 1, 2]), sft_item([4, 5], [0, 1], [0, 1])]
+    with pytest.raises(ValueError, match=r"equal shapes: pass collator=SFTPaddingCollator\(\)"):
+        DefaultBatchCollator()(sft)
+    kto = [kto_item([1, 2, 3], [0, 1, 1], 1.0), kto_item([4, 5], [0, 1], 0.0)]
+    with pytest.raises(ValueError, match=r"'completion' has shapes .*=KTOPaddingCollator\(\)"):
+        DefaultBatchCollator()(kto)
+    grpo = [grpo_item([1], [[2], [3, 4]], [[1], [1, 1]], [1.0, 0.0])]
+    with pytest.raises(ValueError, match=r"'responses' holds shapes .*=GRPOPaddingCollator\(\)"):
+        DefaultBatchCollator()(grpo)
+    with pytest.raises(ValueError, match="give the loader a collator that pads or packs"):
+        DefaultBatchCollator()([{"x": L(1)}, {"x": L(1, 2)}])
 
 
 def test_sft_padding_exact():
@@ -141,6 +177,115 @@ def test_dpo_padding_to_one_common_length():
             "rejected_attention_mask": B(1, 1, 0, 0, 1, 1, 1, 1).view(2, 4),
         },
     )
+
+
+def test_kto_padding_with_the_names_trl_gives():
+    samples = [kto_item([1, 2, 3], [0, 1, 1], 1.0), kto_item([4, 5], [0, 1], 0.0)]
+    assert_batch(
+        KTOPaddingCollator(pad_id=9).collate(samples),
+        {
+            "completion": L(1, 2, 3, 4, 5, 9).view(2, 3),
+            "completion_mask": B(0, 1, 1, 0, 1, 0).view(2, 3),
+            "attention_mask": B(1, 1, 1, 1, 1, 0).view(2, 3),
+            "label": torch.tensor([1.0, 0.0]),
+        },
+    )
+    with pytest.raises(KeyError, match=r"KTOPaddingCollator: sample 0 lacks \['label'\]"):
+        KTOPaddingCollator()([{"completion": L(1), "completion_mask": B(1)}])
+
+
+def test_grpo_padding_of_prompts_alone():
+    """Prompt-only items (prompts for online generation): the prompts, left-padded."""
+    batch = GRPOPaddingCollator(pad_id=0)([{"prompts": L(1, 2, 3)}, {"prompts": L(4)}])
+    assert_batch(
+        batch,
+        {
+            "prompts": L(1, 2, 3, 0, 0, 4).view(2, 3),
+            "prompt_attention_mask": B(1, 1, 1, 0, 0, 1).view(2, 3),
+        },
+    )
+
+
+def test_packed_dpo_keeps_each_pair_addressable():
+    samples = [
+        {
+            "chosen": L(1, 2, 3),
+            "rejected": L(1, 9),
+            "chosen_mask": B(0, 0, 1),
+            "rejected_mask": B(0, 1),
+        },
+        {
+            "chosen": L(4, 5),
+            "rejected": L(4, 6, 7, 8),
+            "chosen_mask": B(0, 1),
+            "rejected_mask": B(0, 1, 0, 1),
+        },
+    ]
+    assert_batch(
+        PackedDPOCollator().collate(samples),
+        {
+            # chosen_0, rejected_0, chosen_1, rejected_1, each shifted as seq/sft items are:
+            # inputs without the last token, targets and mask without the first
+            "input_ids": L(1, 2, 1, 4, 4, 6, 7).view(1, 7),
+            "target_ids": L(2, 3, 9, 5, 6, 7, 8).view(1, 7),
+            "loss_mask": B(0, 1, 1, 1, 1, 0, 1).view(1, 7),
+            "position_ids": L(0, 1, 0, 0, 0, 1, 2).view(1, 7),
+            "cu_seqlens": torch.tensor([0, 2, 3, 4, 7], dtype=torch.int32),
+            "max_seqlen": 3,
+            "num_tokens": 7,
+            "chosen_index": L(0, 2),
+            "rejected_index": L(1, 3),
+        },
+    )
+    assert [packed_tokens(s) for s in samples] == [3, 4]
+
+
+def test_packed_kto_pads_to_a_static_row_and_keeps_the_labels():
+    samples = [kto_item([1, 2, 3], [0, 1, 1], 1.0), kto_item([4, 5], [0, 1], 0.0)]
+    assert_batch(
+        PackedKTOCollator(pad_id=0, pad_to=5).collate(samples),
+        {
+            "input_ids": L(1, 2, 4, 0, 0).view(1, 5),
+            "target_ids": L(2, 3, 5, -100, -100).view(1, 5),
+            "loss_mask": B(1, 1, 1, 0, 0).view(1, 5),
+            "position_ids": L(0, 1, 0, 0, 1).view(1, 5),
+            "cu_seqlens": torch.tensor([0, 2, 3, 5], dtype=torch.int32),
+            "max_seqlen": 2,
+            "num_tokens": 3,
+            "label": torch.tensor([1.0, 0.0]),
+        },
+    )
+    with pytest.raises(ValueError, match="PackedKTOCollator: group has 3 tokens, over pad_to=2"):
+        PackedKTOCollator(pad_to=2)(samples)
+    with pytest.raises(ValueError, match="sequence 0 has 3 tokens and a mask of 2"):
+        PackedKTOCollator()([kto_item([1, 2, 3], [0, 1], 1.0)])
+
+
+def test_packed_grpo_puts_each_response_after_its_prompt():
+    samples = [
+        grpo_item([1, 2], [[3], [4, 5]], [[1], [1, 0]], [1.0, 0.0]),
+        grpo_item([6], [[7, 8]], [[1, 1]], [0.5]),
+    ]
+    assert_batch(
+        PackedGRPOCollator().collate(samples),
+        {
+            # 1 2 3 | 1 2 4 5 | 6 7 8: the prompt never trains, the response as its mask says
+            "input_ids": L(1, 2, 1, 2, 4, 6, 7).view(1, 7),
+            "target_ids": L(2, 3, 2, 4, 5, 7, 8).view(1, 7),
+            "loss_mask": B(0, 1, 0, 1, 0, 1, 1).view(1, 7),
+            "position_ids": L(0, 1, 0, 1, 2, 0, 1).view(1, 7),
+            "cu_seqlens": torch.tensor([0, 2, 5, 7], dtype=torch.int32),
+            "max_seqlen": 3,
+            "num_tokens": 7,
+            "group_ids": L(0, 0, 1),
+            "rewards": torch.tensor([1.0, 0.0, 0.5]),
+        },
+    )
+    assert [packed_tokens(s) for s in samples] == [5, 2]
+    with pytest.raises(
+        KeyError, match=r"PackedGRPOCollator: sample 0 lacks \['responses', 'masks', 'rewards'\]"
+    ):
+        PackedGRPOCollator()([{"prompts": L(1, 2)}])
 
 
 def test_grpo_padding_left_prompts_right_responses_and_group_mask():
@@ -229,7 +374,7 @@ def test_packed_splits_where_a_bfd_split_remainder_follows_another_document():
 
 
 class _Items(Dataset):
-    """Variable-length sft-, dpo- and grpo-shaped items, deterministic in the index."""
+    """Variable-length sft-, dpo-, kto- and grpo-shaped items, deterministic in the index."""
 
     def __len__(self) -> int:
         return 8
@@ -247,12 +392,24 @@ class _Items(Dataset):
             "responses": [L(*ids[: g + 1]) for g in range(i % 2 + 1)],
             "masks": [B(*[1] * (g + 1)) for g in range(i % 2 + 1)],
             "rewards": torch.arange(i % 2 + 1, dtype=torch.float32),
+            "completion": L(*ids),
+            "completion_mask": B(*[0] + [1] * n),
+            "label": torch.tensor(float(i % 2)),
         }
 
 
 @pytest.mark.parametrize(
     "collator",
-    [SFTPaddingCollator(), DPOPaddingCollator(), GRPOPaddingCollator(), PackedCollator()],
+    [
+        SFTPaddingCollator(),
+        DPOPaddingCollator(),
+        KTOPaddingCollator(),
+        GRPOPaddingCollator(),
+        PackedCollator(),
+        PackedDPOCollator(),
+        PackedKTOCollator(),
+        PackedGRPOCollator(),
+    ],
     ids=lambda c: type(c).__name__,
 )
 def test_collators_as_collate_fn_with_two_workers(collator: BatchCollator):

@@ -30,10 +30,14 @@ from tokenmill.dataflow import (
     GRPOPaddingCollator,
     IdentityProcessor,
     IterableDistributor,
+    KTOPaddingCollator,
     LoaderOptions,
     MapDistributor,
     MixtureDistributor,
     PackedCollator,
+    PackedDPOCollator,
+    PackedGRPOCollator,
+    PackedKTOCollator,
     PoolPackingBatcher,
     RankPartitionedDistributor,
     RawItemProcessor,
@@ -120,6 +124,42 @@ SCENARIOS: dict[str, tuple[str, Callable[[Path, Pick], Roles]]] = {
             c(GRPOPaddingCollator)(),
         ),
     ),
+    "kto padded": (
+        "items",
+        lambda root, c: (
+            c(MapDistributor)(KTOItems(20), seed=SEED, num_epochs=1),
+            c(IdentityProcessor)(),
+            c(SimpleBatcher)(4),
+            c(KTOPaddingCollator)(),
+        ),
+    ),
+    "dpo packed": (
+        "planned items",
+        lambda root, c: (
+            c(MapDistributor)(ToyDataset("dpo", 20), seed=SEED, num_epochs=1),
+            c(IdentityProcessor)(),
+            c(SequentialPackingBatcher)(24),
+            c(PackedDPOCollator)(),
+        ),
+    ),
+    "kto packed": (
+        "planned items",
+        lambda root, c: (
+            c(MapDistributor)(KTOItems(20), seed=SEED, num_epochs=1),
+            c(IdentityProcessor)(),
+            c(PoolPackingBatcher)(12, pool_size=4),
+            c(PackedKTOCollator)(),
+        ),
+    ),
+    "grpo packed": (
+        "planned items",
+        lambda root, c: (
+            c(MapDistributor)(ToyDataset("grpo", 20), seed=SEED, num_epochs=1),
+            c(IdentityProcessor)(),
+            c(PoolPackingBatcher)(24, pool_size=5),
+            c(PackedGRPOCollator)(),
+        ),
+    ),
     "truncated": (
         "items",
         lambda root, c: (
@@ -186,6 +226,10 @@ TRIVIAL = [
     (SFTPaddingCollator, "partitioned"),
     (DPOPaddingCollator, "dpo planned"),
     (GRPOPaddingCollator, "grpo planned"),
+    (KTOPaddingCollator, "kto padded"),
+    (PackedDPOCollator, "dpo packed"),
+    (PackedKTOCollator, "kto packed"),
+    (PackedGRPOCollator, "grpo packed"),
     (PackedCollator, "packed windows"),
     (PackedCollator, "truncated"),
 ]
@@ -211,7 +255,11 @@ WATCHED = [
             SFTPaddingCollator,
             DPOPaddingCollator,
             GRPOPaddingCollator,
+            KTOPaddingCollator,
             PackedCollator,
+            PackedDPOCollator,
+            PackedKTOCollator,
+            PackedGRPOCollator,
         )
     ],
 ]

@@ -1,10 +1,12 @@
 """The modular loader: four roles in fixed order, run inside torch DataLoader workers.
 
 DataDistributor (distributors.py) -> RawItemProcessor (processors.py) -> SampleBatcher
-(batchers.py) -> BatchCollator (collators.py), in order per worker (roles.py), driven by
-DataflowLoader (loader.py, its settings one LoaderOptions); provenance (the tokenizer a
-loader's data was made with). The hooks each role may offer are declared on its base class,
-and what the loader may ask of a dataset are the Protocols of contracts.py.
+(batchers.py) -> BatchCollator (collators.py; packed_preferences: DPO, KTO and GRPO groups
+packed in one row), in order per worker (roles.py), driven by DataflowLoader (loader.py, its
+settings one LoaderOptions, its collator by default the one that fits the dataset's items:
+fitting); provenance (the tokenizer a loader's data was made with). The hooks each role may
+offer are declared on its base class, and what the loader may ask of a dataset are the
+Protocols of contracts.py.
 """
 
 from tokenmill.dataflow.batchers import (
@@ -18,6 +20,7 @@ from tokenmill.dataflow.collators import (
     DefaultBatchCollator,
     DPOPaddingCollator,
     GRPOPaddingCollator,
+    KTOPaddingCollator,
     PackedCollator,
     SFTPaddingCollator,
 )
@@ -29,6 +32,11 @@ from tokenmill.dataflow.distributors import (
     RankPartitionedDistributor,
 )
 from tokenmill.dataflow.loader import DataflowLoader, LoaderOptions
+from tokenmill.dataflow.packed_preferences import (
+    PackedDPOCollator,
+    PackedGRPOCollator,
+    PackedKTOCollator,
+)
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor, TruncateProcessor
 
 __all__ = [
@@ -48,8 +56,12 @@ __all__ = [
     "DefaultBatchCollator",
     "SFTPaddingCollator",
     "DPOPaddingCollator",
+    "KTOPaddingCollator",
     "GRPOPaddingCollator",
     "PackedCollator",
+    "PackedDPOCollator",
+    "PackedKTOCollator",
+    "PackedGRPOCollator",
     "DataflowLoader",
     "LoaderOptions",
 ]

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from tokenmill.dataflow.contracts import keeps
+from tokenmill.shards.schema import schema_of
 from tokenmill.training.windows import WindowBatch
 
 __all__ = [
@@ -24,8 +25,11 @@ __all__ = [
     "DefaultBatchCollator",
     "SFTPaddingCollator",
     "DPOPaddingCollator",
+    "KTOPaddingCollator",
     "GRPOPaddingCollator",
     "PackedCollator",
+    "PADDING_COLLATORS",
+    "fitting_argument",
 ]
 
 
@@ -72,7 +76,8 @@ def attention_mask(lengths: Sequence[int], length: int, left: bool = False) -> t
     return positions >= length - real if left else positions < real
 
 
-def _require(samples: list[dict], keys: Sequence[str], collator: str) -> None:
+def require_keys(samples: list[dict], keys: Sequence[str], collator: str) -> None:
+    """A non-empty group whose every sample holds `keys`, refused by name otherwise."""
     if not samples:
         raise ValueError(f"{collator}: cannot collate an empty group")
     for i, sample in enumerate(samples):
@@ -83,11 +88,14 @@ def _require(samples: list[dict], keys: Sequence[str], collator: str) -> None:
 
 class DefaultBatchCollator(BatchCollator):
     """Stacks each key: tensors to [B, ...], lists of equal-shape tensors to [B, G, ...],
-    numbers to [B]. Unequal lengths raise: use a padding or packed collator."""
+    numbers to [B]. Unequal lengths raise, naming the padding collator the items take."""
 
     def collate(self, samples: list[dict]) -> dict:
-        _require(samples, list(samples[0]) if samples else [], "DefaultBatchCollator")
-        return {key: self._stack(key, [s[key] for s in samples]) for key in samples[0]}
+        require_keys(samples, list(samples[0]) if samples else [], "DefaultBatchCollator")
+        try:
+            return {key: self._stack(key, [s[key] for s in samples]) for key in samples[0]}
+        except _Unequal as err:  # named with the collator these items take
+            raise ValueError(f"{err}: {fitting_argument(samples[0])}") from None
 
     def collate_windows(self, arrays: dict[str, torch.Tensor]) -> dict:
         """The windows stacked as stored, cut and widened (`WindowBatch.tensors`), while
@@ -97,17 +105,27 @@ class DefaultBatchCollator(BatchCollator):
         return WindowBatch(arrays).tensors()
 
     def _stack(self, key: str, values: list[Any]) -> torch.Tensor:
-        if isinstance(values[0], (list, tuple)):
+        if isinstance(values[0], (list, tuple)):  # a GRPO group's responses: equal ones only
+            inner = {tuple(torch.as_tensor(v).shape) for group in values for v in group}
+            if len(inner) > 1:
+                raise _Unequal(
+                    f"DefaultBatchCollator: key {key!r} holds shapes {sorted(inner)} in one "
+                    "group; stacking needs equal shapes"
+                )
             values = [torch.stack([torch.as_tensor(v) for v in group]) for group in values]
         elif not isinstance(values[0], torch.Tensor):
             return torch.as_tensor(values)
         shapes = {tuple(v.shape) for v in values}
         if len(shapes) > 1:
-            raise ValueError(
+            raise _Unequal(
                 f"DefaultBatchCollator: key {key!r} has shapes {sorted(shapes)} in one group; "
-                "stacking needs equal shapes (use a padding or packed collator)"
+                "stacking needs equal shapes"
             )
         return torch.stack(values)
+
+
+class _Unequal(ValueError):
+    """Samples of unequal shapes: DefaultBatchCollator names the collator they take."""
 
 
 class SFTPaddingCollator(BatchCollator):
@@ -122,7 +140,7 @@ class SFTPaddingCollator(BatchCollator):
         self.mask_targets = mask_targets
 
     def collate(self, samples: list[dict]) -> dict:
-        _require(samples, ["input_ids", "target_ids"], "SFTPaddingCollator")
+        require_keys(samples, ["input_ids", "target_ids"], "SFTPaddingCollator")
         lengths = [len(s["input_ids"]) for s in samples]
         length = max(lengths)
         batch = {
@@ -149,7 +167,7 @@ class DPOPaddingCollator(BatchCollator):
 
     def collate(self, samples: list[dict]) -> dict:
         sides = ("chosen", "rejected")
-        _require(samples, [*sides, "chosen_mask", "rejected_mask"], "DPOPaddingCollator")
+        require_keys(samples, [*sides, "chosen_mask", "rejected_mask"], "DPOPaddingCollator")
         length = max(len(s[side]) for s in samples for side in sides)
         batch = {}
         for side in sides:
@@ -162,19 +180,48 @@ class DPOPaddingCollator(BatchCollator):
         return batch
 
 
-class GRPOPaddingCollator(BatchCollator):
-    """Prompts left-padded to [B, P] (generation continues from the right edge) with
-    `prompt_attention_mask`; responses and masks right-padded to [B, G, R] with
-    `response_attention_mask`; rewards [B, G]. Groups of unequal size are padded with empty
-    responses and reward 0, and `group_mask` [B, G] is True on the real ones."""
+class KTOPaddingCollator(BatchCollator):
+    """Right-pads KTO items (TRL's unpaired preference data) to the longest in the group:
+    `completion` with `pad_id`, `completion_mask` with False, plus `attention_mask` (True on
+    real tokens) and `label` [B] (1.0 desirable, 0.0 not), the name TRL's KTO collator gives
+    it."""
 
     def __init__(self, pad_id: int = 0):
         self.pad_id = pad_id
 
     def collate(self, samples: list[dict]) -> dict:
-        _require(samples, ["prompts", "responses", "masks", "rewards"], "GRPOPaddingCollator")
+        require_keys(samples, ["completion", "completion_mask", "label"], "KTOPaddingCollator")
+        lengths = [len(s["completion"]) for s in samples]
+        length = max(lengths)
+        labels = [torch.as_tensor(s["label"], dtype=torch.float32).reshape(()) for s in samples]
+        return {
+            "completion": pad_stack([s["completion"] for s in samples], self.pad_id),
+            "completion_mask": pad_stack([s["completion_mask"] for s in samples], False),
+            "attention_mask": attention_mask(lengths, length),
+            "label": torch.stack(labels),
+        }
+
+
+class GRPOPaddingCollator(BatchCollator):
+    """Prompts left-padded to [B, P] (generation continues from the right edge) with
+    `prompt_attention_mask`; responses and masks right-padded to [B, G, R] with
+    `response_attention_mask`; rewards [B, G]. Groups of unequal size are padded with empty
+    responses and reward 0, and `group_mask` [B, G] is True on the real ones. Prompt-only
+    items (prompts for online generation) give the prompts and their mask alone."""
+
+    def __init__(self, pad_id: int = 0):
+        self.pad_id = pad_id
+
+    def collate(self, samples: list[dict]) -> dict:
+        require_keys(samples, ["prompts"], "GRPOPaddingCollator")
         prompt_lengths = [len(s["prompts"]) for s in samples]
-        prompts_len = max(prompt_lengths)
+        prompts = {
+            "prompts": pad_stack([s["prompts"] for s in samples], self.pad_id, left=True),
+            "prompt_attention_mask": attention_mask(prompt_lengths, max(prompt_lengths), left=True),
+        }
+        if all(set(s) == {"prompts"} for s in samples):  # nothing generated yet
+            return prompts
+        require_keys(samples, ["prompts", "responses", "masks", "rewards"], "GRPOPaddingCollator")
         groups = max(len(s["responses"]) for s in samples)
         resp_len = max((len(r) for s in samples for r in s["responses"]), default=0)
         shape = (len(samples), groups, resp_len)
@@ -192,8 +239,7 @@ class GRPOPaddingCollator(BatchCollator):
             rewards[b, :size] = torch.as_tensor(s["rewards"], dtype=torch.float32)
             group_mask[b, :size] = True
         return {
-            "prompts": pad_stack([s["prompts"] for s in samples], self.pad_id, left=True),
-            "prompt_attention_mask": attention_mask(prompt_lengths, prompts_len, left=True),
+            **prompts,
             "responses": responses,
             "masks": masks,
             "response_attention_mask": resp_attention,
@@ -212,7 +258,10 @@ class PackedCollator(BatchCollator):
     (a restart at 0, or the remainder of a document that bfd_split cut); in shards the
     pipeline writes, positions that go on by one always stay in one document (see
     `plan_packing`). `pad_to=N` pads the row to N tokens as one extra segment, for static
-    shapes; efficiency is `num_tokens / N`."""
+    shapes; efficiency is `num_tokens / N`. A Hugging Face model called with `input_ids` and
+    `position_ids`, no attention mask and no cache (`use_cache=False`, as TRL's trainers call
+    it) attends only inside each document: transformers makes its causal mask block-diagonal
+    where positions do not go on by one (`masking_utils.find_packed_sequence_indices`)."""
 
     def __init__(self, pad_id: int = 0, label_pad_id: int = -100, pad_to: int | None = None):
         if pad_to is not None and pad_to <= 0:
@@ -222,7 +271,7 @@ class PackedCollator(BatchCollator):
         self.pad_to = pad_to
 
     def collate(self, samples: list[dict]) -> dict:
-        _require(samples, ["input_ids", "target_ids"], "PackedCollator")
+        require_keys(samples, ["input_ids", "target_ids"], "PackedCollator")
         starts: list[int] = []
         offset = 0
         for s in samples:
@@ -325,6 +374,26 @@ class PackedCollator(BatchCollator):
         if not pad:
             return values.unsqueeze(0)
         return torch.cat([values, torch.full((pad,), value, dtype=values.dtype)]).unsqueeze(0)
+
+
+PADDING_COLLATORS: dict[str, type[BatchCollator]] = {
+    "seq": SFTPaddingCollator,
+    "sft": SFTPaddingCollator,
+    "dpo": DPOPaddingCollator,
+    "kto": KTOPaddingCollator,
+    "grpo": GRPOPaddingCollator,
+}
+"""The padding collator of each training type's items (`tokenmill.shards.schema.ITEMS`)."""
+
+
+def fitting_argument(sample: dict) -> str:
+    """What to give a loader for items like `sample` that do not stack: the one argument."""
+    try:
+        train_type = schema_of(sample).train_type
+    except KeyError:
+        return "give the loader a collator that pads or packs these items"
+    name = PADDING_COLLATORS[train_type].__name__
+    return f"pass collator={name}() to the loader (or a packing batcher and a packed collator)"
 
 
 def window_starts(rows: int, width: int, positions: np.ndarray | None) -> np.ndarray:

@@ -23,8 +23,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torch.utils.data._utils.pin_memory import pin_memory
 
 from tokenmill.dataflow.batchers import SampleBatcher, SimpleBatcher
-from tokenmill.dataflow.collators import BatchCollator, DefaultBatchCollator
+from tokenmill.dataflow.collators import BatchCollator
 from tokenmill.dataflow.distributors import DataDistributor
+from tokenmill.dataflow.fitting import fitting_collator
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
 from tokenmill.dataflow.roles import check_roles, collate_windows, run_roles
 from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
@@ -169,7 +170,9 @@ def _as_is(batch: Any) -> Any:
 class DataflowLoader:
     """Iterable of batches from the four roles, resumable at any consumed batch.
 
-    `batch_size=N` is shorthand for `SimpleBatcher(N)` + `DefaultBatchCollator()`. DP
+    `batch_size=N` is shorthand for `SimpleBatcher(N)`. With no collator the loader takes the
+    one that fits its dataset's items (fitting.py): windows of one length stack
+    (DefaultBatchCollator), other items of a training type take its padding collator. DP
     coordinates come from `dp_rank`/`dp_world_size`, else torch.distributed. `state_dict()`
     counts batches the training loop received, not what workers prefetched; a state saved
     under a setup that cannot continue exactly is refused with the field and both values.
@@ -218,18 +221,16 @@ class DataflowLoader:
         }
         self.options = options_of(keywords, options)
         if self.options.batch_size is not None:
-            if batcher is not None or collator is not None:
+            if batcher is not None:
                 raise ValueError(
-                    "batch_size=N stands for SimpleBatcher(N) + DefaultBatchCollator(); "
-                    "give it or a batcher and collator, not both"
+                    "batch_size=N stands for SimpleBatcher(N); give it or a batcher, not both"
                 )
             batcher = SimpleBatcher(self.options.batch_size)
-            collator = DefaultBatchCollator()
         if batcher is None:
             raise ValueError("DataflowLoader needs batch_size=N or a batcher")
         self.distributor, self.batcher = distributor, batcher
         self.processor = IdentityProcessor() if processor is None else processor
-        self.collator = DefaultBatchCollator() if collator is None else collator
+        self.collator = fitting_collator(distributor) if collator is None else collator
         check_roles(self.distributor, self.processor, self.batcher, self.collator)
         self.dp_rank, self.dp_world_size = data_parallel_coordinates(
             self.options.dp_rank, self.options.dp_world_size
