@@ -908,3 +908,40 @@ def test_kto_sources_mix_by_trained_tokens():
 
     picks = [int(x["completion"][0] >= 100_000) for x in make().stream(0, 1, 0, 1)]
     assert picks[:10] == [0, 1, 1, 1, 1, 0, 1, 1, 1, 1]  # 4 trained tokens vs 1: four b per a
+
+
+class _KTOItems(torch.utils.data.Dataset):
+    """Three KTO items of different lengths; says its items' type."""
+
+    train_type = "kto"
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, index: int) -> dict:
+        n = 3 + index
+        return {
+            "completion": torch.arange(n),
+            "completion_mask": torch.arange(n) > 0,
+            "label": torch.tensor(1.0),
+        }
+
+
+def test_a_distributor_that_declares_its_item_datasets_gets_their_collator():
+    from tokenmill.dataflow import KTOPaddingCollator
+
+    class Logged(MapDistributor):  # fetch of its own: the built-in no longer tells
+        def fetch(self, index):
+            return super().fetch(index)
+
+    plain = DataflowLoader(Logged(_KTOItems(), shuffle=False), batch_size=2)
+    assert type(plain.collator) is DefaultBatchCollator
+
+    class Declared(Logged):
+        def item_datasets(self):
+            return [self.dataset]
+
+    loader = DataflowLoader(Declared(_KTOItems(), shuffle=False), batch_size=2)
+    assert type(loader.collator) is KTOPaddingCollator
+    batch = next(iter(loader))
+    assert batch["completion"].shape == (2, 4)

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tokenmill.shards.schema import ITEMS
 from tokenmill.training.windows import WindowBatch
 
 __all__ = [
@@ -22,12 +23,14 @@ __all__ = [
     "StoredLengths",
     "ItemRanges",
     "TokenizerProvenance",
+    "TrainType",
     "keeps",
     "has_fixed_windows",
     "has_stored_lengths",
     "stored_length",
     "dataset_tokenizer",
     "checked_tokenizer",
+    "dataset_train_type",
 ]
 
 
@@ -70,6 +73,16 @@ class TokenizerProvenance(Protocol):
     @property
     def tokenizer_provenance(self) -> tuple[str, str] | None:
         """(fingerprint, path) of the tokenizer; None where the data does not say."""
+        ...
+
+
+class TrainType(Protocol):
+    """What a dataset's items are: their training type, a key of `tokenmill.shards.schema.ITEMS`
+    (the loader picks a collator for them: fitting.py)."""
+
+    @property
+    def train_type(self) -> str:
+        """ "seq", "sft", "dpo", "kto" or "grpo"; "" where the dataset does not say."""
         ...
 
 
@@ -122,5 +135,18 @@ def checked_tokenizer(owner: Any, found: Any) -> tuple[str, str] | None:
         raise TypeError(
             f"{type(owner).__name__}.tokenizer_provenance is {found!r}; it must be None or "
             "(fingerprint, path), two strings"
+        )
+    return found
+
+
+def dataset_train_type(dataset: Any) -> str | None:
+    """The dataset's TrainType, where it offers it; refused by name unless a known type."""
+    found = getattr(dataset, "train_type", None)
+    if found is None or found == "":
+        return None
+    if not isinstance(found, str) or found not in ITEMS:
+        raise TypeError(
+            f"{type(dataset).__name__}.train_type is {found!r}; it must be one of "
+            f"{sorted(ITEMS)} (or empty: the items say nothing)"
         )
     return found

@@ -129,6 +129,13 @@ class DataDistributor(ABC):
         None: it does not say."""
         return None
 
+    def item_datasets(self) -> list[Any] | None:
+        """Hook: the datasets whose items this distributor hands on as they are, so that a
+        loader given no collator picks the one their items take (fitting.py). Default None:
+        it cannot tell (the loader then stacks, and names the collator to pass if that
+        fails)."""
+        return None
+
 
 def worker_share(
     indices: Iterable[Any], worker_id: int, num_workers: int, block: int = 1
@@ -152,6 +159,14 @@ def check_sources(owner: str, sources: Sequence[Any]) -> None:
                 f"{owner}: source {i} is a {type(source).__name__}, not a DataDistributor; "
                 "wrap a dataset in MapDistributor or an iterable in IterableDistributor"
             )
+
+
+def sources_datasets(sources: Sequence[DataDistributor]) -> list[Any] | None:
+    """The item datasets of every source of a mixture, or None where one cannot tell."""
+    found = [source.item_datasets() for source in sources]
+    if any(datasets is None for datasets in found):
+        return None
+    return [dataset for datasets in found if datasets for dataset in datasets]
 
 
 def _check_coordinates(dp_rank: int, dp_world_size: int) -> None:
@@ -249,6 +264,9 @@ class MapDistributor(_IndexedDistributor):
     def tokenizer_provenance(self) -> tuple[str, str] | None:
         return dataset_tokenizer(self.dataset)
 
+    def item_datasets(self) -> list[Any] | None:
+        return [self.dataset] if keeps(self, MapDistributor, "fetch") else None
+
     def _setup(self) -> dict[str, Any]:
         return order_setup(self)
 
@@ -279,6 +297,10 @@ class IterableDistributor(_IndexedDistributor):
     @property
     def tokenizer_provenance(self) -> tuple[str, str] | None:
         return dataset_tokenizer(self.iterable)
+
+    def item_datasets(self) -> list[Any] | None:
+        own = keeps(self, IterableDistributor, "fetch", "indices")
+        return [self.iterable] if own else None
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[Any]:
         _check_coordinates(dp_rank, dp_world_size)
@@ -368,6 +390,11 @@ class RankPartitionedDistributor(_IndexedDistributor):
     @property
     def tokenizer_provenance(self) -> tuple[str, str] | None:
         return first_tokenizer(self.sources)
+
+    def item_datasets(self) -> list[Any] | None:
+        if not keeps(self, RankPartitionedDistributor, "fetch", "indices"):
+            return None
+        return sources_datasets(self.sources)
 
     def state_dict(self) -> dict[str, Any]:
         position = None if self.source is None else self.sources[self.source].state_dict()
@@ -467,6 +494,11 @@ class MixtureDistributor(_IndexedDistributor):
     @property
     def tokenizer_provenance(self) -> tuple[str, str] | None:
         return first_tokenizer(self.sources)
+
+    def item_datasets(self) -> list[Any] | None:
+        if not keeps(self, MixtureDistributor, "fetch", "indices"):
+            return None
+        return sources_datasets(self.sources)
 
     def state_dict(self) -> dict[str, Any]:
         return {

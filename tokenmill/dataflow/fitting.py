@@ -1,82 +1,38 @@
 """Fitting collator: the collator a dataset's items take, for a loader given none.
 
-A dataset says what its items are by `train_type` (the training datasets do: a key of
-`tokenmill.shards.schema.ITEMS`) and whether they are windows of one length (`fixed_windows`,
+A dataset says what its items are by `train_type` (contracts.TrainType; the training
+datasets do: a key of `tokenmill.shards.schema.ITEMS`) and whether they are windows of one length (`fixed_windows`,
 contracts.WindowReads). Windows stack (DefaultBatchCollator, whose fast path reads a group
 at once); other items take their type's padding collator (`PADDING_COLLATORS`), as their
-lengths vary. The loader reaches the datasets behind the built-in distributors while their
-`fetch` is their own (one that changes what it fetches says nothing of its items); where no
-dataset says, it stacks, and a group that does not stack is refused naming the collator
+lengths vary. The loader reaches the datasets behind a distributor by its declared `item_datasets()`
+(the built-ins offer them while their `fetch` is their own: one that changes what it
+fetches says nothing of its items); where no dataset says, it stacks, and a group that does not stack is refused naming the collator
 argument its items need (`fitting_argument`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from tokenmill.dataflow.collators import PADDING_COLLATORS, BatchCollator, DefaultBatchCollator
 from tokenmill.dataflow.contracts import (
+    dataset_train_type,
     has_fixed_windows,
     has_stored_lengths,
-    keeps,
     stored_length,
 )
-from tokenmill.dataflow.distributors import (
-    IterableDistributor,
-    MapDistributor,
-    MixtureDistributor,
-    RankPartitionedDistributor,
-)
+from tokenmill.dataflow.distributors import DataDistributor
 
-__all__ = ["TrainType", "dataset_train_type", "item_datasets", "fitting_collator"]
+__all__ = ["fitting_collator"]
 
 
-class TrainType(Protocol):
-    """What a dataset's items are: their training type, a key of `ITEMS`."""
-
-    @property
-    def train_type(self) -> str:
-        """ "seq", "sft", "dpo", "kto" or "grpo"; "" where the dataset does not say."""
-        ...
-
-
-def dataset_train_type(dataset: Any) -> str | None:
-    """The dataset's TrainType, where it offers it; refused by name unless a known type."""
-    found = getattr(dataset, "train_type", None)
-    if found is None or found == "":
-        return None
-    if not isinstance(found, str) or found not in PADDING_COLLATORS:
-        raise TypeError(
-            f"{type(dataset).__name__}.train_type is {found!r}; it must be one of "
-            f"{sorted(PADDING_COLLATORS)} (or empty: the items say nothing)"
-        )
-    return found
-
-
-def item_datasets(distributor: Any) -> list[Any] | None:
-    """The datasets whose items `distributor` hands on as they are; None where it cannot tell
-    (a distributor of its own, or a built-in whose `fetch` or `indices` is overridden)."""
-    if isinstance(distributor, MapDistributor):
-        return [distributor.dataset] if keeps(distributor, MapDistributor, "fetch") else None
-    if isinstance(distributor, IterableDistributor):
-        own = keeps(distributor, IterableDistributor, "fetch", "indices")
-        return [distributor.iterable] if own else None
-    for mixing in (MixtureDistributor, RankPartitionedDistributor):
-        if isinstance(distributor, mixing):
-            if not keeps(distributor, mixing, "fetch", "indices"):
-                return None
-            found = [item_datasets(source) for source in distributor.sources]
-            if any(datasets is None for datasets in found):
-                return None
-            return [dataset for datasets in found if datasets for dataset in datasets]
-    return None
-
-
-def fitting_collator(distributor: Any) -> BatchCollator:
+def fitting_collator(distributor: DataDistributor) -> BatchCollator:
     """The collator for the items of `distributor`'s datasets: stacked where they are windows of
     one length (or nothing says), else their type's padding collator. Sources of different
     types are refused: no one collator takes them all."""
-    datasets = item_datasets(distributor)
+    if not isinstance(distributor, DataDistributor):
+        return DefaultBatchCollator()  # the loader's role check names the misuse
+    datasets = distributor.item_datasets()
     if not datasets:
         return DefaultBatchCollator()
     found = [dataset_train_type(dataset) for dataset in datasets]
