@@ -99,7 +99,14 @@ def test_any_distributor_gives_one_sequence_for_every_num_workers():
 
 @pytest.mark.parametrize(
     "packing, workers, threads",
-    [(False, 0, 0), (False, 2, 0), (True, 0, 0), (True, 2, 0), (False, 0, 2), (True, 0, 2)],
+    [
+        (False, 0, 0),
+        pytest.param(False, 2, 0, marks=pytest.mark.slow),  # worker processes: seconds
+        (True, 0, 0),
+        pytest.param(True, 2, 0, marks=pytest.mark.slow),
+        (False, 0, 2),
+        (True, 0, 2),
+    ],
 )
 def test_loader_resumes_exactly_across_an_epoch_boundary(packing, workers, threads):
     per_epoch = len(list(loader("sft", packing, epochs=1)))

@@ -113,6 +113,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
 
 
+@pytest.mark.slow  # a tiny Llama over every conversation alone: seconds
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_each_conversation_of_a_packed_batch_scores_as_alone(packed, implementation):
     batch, conversations, spans = packed

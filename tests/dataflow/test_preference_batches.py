@@ -269,6 +269,7 @@ def packed_logps(model: Any, batch: dict, vocab: torch.Tensor, positions: bool =
 IMPLEMENTATIONS = ["sdpa", "eager"]
 
 
+@pytest.mark.slow  # a tiny Llama per pair; KTO keeps the packed-vs-padded oracle fast
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_packed_dpo_pairs_score_as_padded(shards, implementation):
     items = smallest(dataset(shards, "dpo"), 4)
@@ -304,6 +305,7 @@ def test_packed_kto_completions_score_as_padded(shards, implementation):
     assert set(packed["label"].tolist()) == {0.0, 1.0}
 
 
+@pytest.mark.slow  # a tiny Llama per group; KTO keeps the packed-vs-padded oracle fast
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_packed_grpo_groups_score_as_padded(shards, implementation):
     items = smallest(dataset(shards, "grpo"), 3)

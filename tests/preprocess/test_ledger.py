@@ -114,6 +114,7 @@ def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) ->
     return total
 
 
+@pytest.mark.slow  # 150 generated runs; the per-reason ledger tests below stay fast
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs())
 def test_every_token_read_is_written_or_dropped_by_reason(run):
