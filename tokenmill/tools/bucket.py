@@ -62,9 +62,9 @@ def record_at(
     with tempfile.TemporaryDirectory(prefix="tokenmill-show-") as cache:
         store = MmapStore(cache_dir=cache, storage_options=storage_options, prefetch=0)
         store.load(dataset)
-        if not 0 <= index < store.num_records:
-            raise IndexError(f"{dataset}: index {index} out of range [0, {store.num_records})")
-        record = {k: _copy(v) for k, v in store.fetch_record(index, store.keys).items()}
+        if not 0 <= index < store.num_rows:
+            raise IndexError(f"{dataset}: index {index} out of range [0, {store.num_rows})")
+        record = {k: _copy(v) for k, v in store.fetch_row(index, store.keys).items()}
         return record, store.manifest or {}
 
 
