@@ -1,6 +1,8 @@
 """tokenmill data in the trainers people use, with no glue code: transformers' Trainer and TRL's
-SFTTrainer (with and without packing) train a tiny model on shipped SFT data, and the loss the
-Hugging Face names give equals tokenmill's own masked loss on the same model (the oracle)."""
+SFTTrainer (padded, padding-free and packed) train a tiny model on shipped SFT rows, and the loss
+the Hugging Face names give equals tokenmill's own masked loss over the same rows packed by
+PackedCollator (the oracle). That every conversation inside is scored as if alone is
+test_packed_conversations.py's."""
 
 from __future__ import annotations
 
@@ -11,21 +13,20 @@ import warnings
 import pytest
 import torch
 from helpers import ROOT
-from transformers import (
-    AutoTokenizer,
-    DataCollatorForSeq2Seq,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Trainer,
-    TrainingArguments,
-)
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from tokenmill.dataflow import SFTPaddingCollator
+from tokenmill.dataflow import PackedCollator
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS
 from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.training.dataset_factory import DatasetFactory
-from tokenmill.training.hf_names import IGNORE_INDEX, HFNamedDataset, hf_dataset, hf_item
+from tokenmill.training.hf_names import (
+    IGNORE_INDEX,
+    HFCollator,
+    HFNamedDataset,
+    hf_dataset,
+    hf_item,
+)
 
 TOKENIZER = ROOT / "data" / "tokenizers" / "qwen2.5"
 pytestmark = [
@@ -35,7 +36,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory):
+def sft(tmp_path_factory):
     """Packed SFT rows of the first 16 shipped conversations, cut to 256 tokens, written by the real pipeline."""
     out = tmp_path_factory.mktemp("sft")
     config = copy.deepcopy(DEFAULT_CONFIGS["sft"])
@@ -49,7 +50,18 @@ def rows(tmp_path_factory):
         on_error="skip",
         progress=False,
     ).run()
-    return DatasetFactory.load("sft", out, window_size=256)
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows(sft):
+    return DatasetFactory.load("sft", sft, window_size=256)
+
+
+@pytest.fixture(scope="module")
+def records(sft):
+    """The same conversations one by one, for TRL to pack."""
+    return DatasetFactory.load("sft", sft, window_size=256, sample="record")
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +84,20 @@ def tiny_model(tokenizer) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def test_hf_names_score_exactly_tokenmills_targets(rows, tokenizer):
+@pytest.mark.parametrize("packed", [True, False], ids=["one_row", "padded"])
+def test_hf_names_score_exactly_tokenmills_targets(rows, tokenizer, packed):
     model = tiny_model(tokenizer).eval()
     items = [rows[i] for i in range(4)]
-    ours = SFTPaddingCollator(pad_id=tokenizer.pad_token_id).collate(items)
+    ours = PackedCollator(pad_id=tokenizer.pad_token_id).collate(items)
     targets = ours["target_ids"].masked_fill(~ours["loss_mask"], IGNORE_INDEX)
-    hf = DataCollatorForSeq2Seq(tokenizer)(
-        [{k: v.tolist() for k, v in hf_item(i).items()} for i in items]
-    )
+    hf = HFCollator(tokenizer.pad_token_id, packed=packed)([hf_item(i) for i in items])
+    # a conversation's first token never trains in these rows (a template's opening), so the
+    # HF labels, which never train it, are exactly tokenmill's targets
     assert int((hf["labels"] != IGNORE_INDEX).sum()) == int(ours["loss_mask"].sum())
     with torch.no_grad():
-        logits = model(input_ids=ours["input_ids"], attention_mask=ours["attention_mask"]).logits
+        logits = model(
+            input_ids=ours["input_ids"], position_ids=ours["position_ids"], use_cache=False
+        ).logits
         expected = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX
         )
@@ -104,7 +119,7 @@ def test_transformers_trainer_trains_on_tokenmill_rows(rows, tokenizer, tmp_path
         model=tiny_model(tokenizer),
         args=args,
         train_dataset=HFNamedDataset(rows),
-        data_collator=DataCollatorForSeq2Seq(tokenizer),
+        data_collator=HFCollator(tokenizer.pad_token_id),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -112,24 +127,33 @@ def test_transformers_trainer_trains_on_tokenmill_rows(rows, tokenizer, tmp_path
     assert result.global_step == 3 and math.isfinite(result.training_loss)
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_trl_sft_trainer_trains_on_tokenmill_rows(rows, tokenizer, tmp_path, packing):
+@pytest.mark.parametrize("recipe", ["padded", "padding_free", "packed"])
+def test_trl_sft_trainer_trains_on_tokenmill_rows(rows, records, tokenizer, tmp_path, recipe):
     from trl import SFTConfig, SFTTrainer
 
-    train = hf_dataset(rows, cache_dir=str(tmp_path / "cache"))
+    # rows: padded by HFCollator, or laid in one row by TRL's padding-free collator; both take
+    # max_length=None, as the rows are cut already. Conversations alone: packed by TRL.
+    options: dict = {"max_length": None, "padding_free": recipe == "padding_free"}
+    if recipe == "packed":
+        options = {"packing": True, "max_length": 256}
+    collator = HFCollator(tokenizer.pad_token_id, packed=False) if recipe == "padded" else None
+    train = hf_dataset(records if recipe == "packed" else rows, cache_dir=str(tmp_path / "cache"))
     args = SFTConfig(
         output_dir=str(tmp_path / "out"),
         max_steps=2,
         per_device_train_batch_size=2,
-        packing=packing,
-        max_length=256,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
         use_cpu=True,
+        **options,
     )
     trainer = SFTTrainer(
-        model=tiny_model(tokenizer), args=args, train_dataset=train, processing_class=tokenizer
+        model=tiny_model(tokenizer),
+        args=args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        data_collator=collator,
     )
     # TRL keeps the labels it is given: every trained token of tokenmill's rows, once
     prepared = trainer.train_dataset
