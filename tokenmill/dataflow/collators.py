@@ -132,7 +132,11 @@ class SFTPaddingCollator(BatchCollator):
     """Right-pads seq/sft items to the longest in the group: input_ids with `pad_id`,
     target_ids with `label_pad_id`, loss_mask with False, position_ids with 0; adds
     `attention_mask` (bool, True on real tokens). `mask_targets=True` also writes
-    `label_pad_id` into targets whose loss_mask is False, for losses that read only ids."""
+    `label_pad_id` into targets whose loss_mask is False, for losses that read only ids.
+
+    A row that packs several conversations keeps them apart only through its position_ids:
+    a Hugging Face model given this attention_mask attends across them, so for such rows call
+    it with position_ids, no attention_mask and use_cache=False (docs/training.md)."""
 
     def __init__(self, pad_id: int = 0, label_pad_id: int = -100, mask_targets: bool = False):
         self.pad_id = pad_id
