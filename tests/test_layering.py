@@ -72,6 +72,24 @@ def test_every_module_lives_in_a_folder_of_the_flow():
     assert sorted(loose) == ["tokenmill.__main__"], loose
 
 
+def check_no_cycle(graph: dict[str, set[str]], what: str) -> None:
+    """Raises `what` with the path of the first cycle in `graph` (node -> nodes it imports)."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError(f"{what}: " + " -> ".join(trail + [node, nxt]))
+            if nxt not in state:
+                visit(nxt, trail + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+
+
 def unit(module: str) -> str | None:
     """A module's place inside its room: the inner room it lies in, or itself for a module of
     the room's own (tokenmill.preprocess.chat.spans -> preprocess.chat; .config -> itself)."""
@@ -93,20 +111,7 @@ def test_rooms_inside_a_room_import_one_way():
             there = unit(target)
             if there and there != here and there.split(".")[0] == here.split(".")[0]:
                 graph.setdefault(here, set()).add(there)
-    state: dict[str, int] = {}
-
-    def visit(node: str, trail: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == 1:
-                raise AssertionError("rooms import both ways: " + " -> ".join(trail + [node, nxt]))
-            if nxt not in state:
-                visit(nxt, trail + [node])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [])
+    check_no_cycle(graph, "rooms import both ways")
 
 
 def test_every_room_lists_its_modules():
@@ -162,20 +167,7 @@ def test_no_import_cycle_at_module_level():
         for module, path in modules().items()
     }
     graph = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph.items()}
-    state: dict[str, int] = {}
-
-    def visit(node: str, trail: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(trail + [node, nxt]))
-            if nxt not in state:
-                visit(nxt, trail + [node])
-        state[node] = 2
-
-    for module in sorted(graph):
-        if module not in state:
-            visit(module, [])
+    check_no_cycle(graph, "import cycle")
 
 
 def test_the_format_and_preprocessing_never_import_torch():

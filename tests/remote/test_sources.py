@@ -52,7 +52,7 @@ def test_a_folder_source_reads_the_shards_where_they_lie_and_travels_as_paths(sh
     assert sorted(source.open(0)) == ["loss_mask", "position_ids", "sequence"]
     assert source.prefetch_items({0: 0}, (), 0.5) is None and source.stats() == {}
     assert source.fits_cache() and not source.all_cached() and source.verify() == []
-    copy = pickle.loads(pickle.dumps(source))
+    copy = pickle.loads(pickle.dumps(source))  # how a DataLoader worker gets it: our own bytes
     assert copy.shards == source.shards and copy.root == shards
     store = MmapStore().load(shards)
     assert isinstance(store.source, FolderSource) and store.root == shards
@@ -60,7 +60,7 @@ def test_a_folder_source_reads_the_shards_where_they_lie_and_travels_as_paths(sh
 
 
 def test_a_truncated_file_is_found_again_wherever_a_source_is_sent(shards):
-    data = pickle.dumps(open_source(shards))
+    data = pickle.dumps(open_source(shards))  # a worker's copy, made here, loaded below
     (shards / "shard_00001" / "sequence.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"shard_00001/sequence\.bin: key 'sequence': 1 bytes"):
         pickle.loads(data)
@@ -168,7 +168,7 @@ def test_a_bucket_source_travels_without_its_threads_and_reads_the_same(
     assert store.source.prefetches and store.source.opens_keys_alone
     first = store.fetch(*store.window_at(3), "sequence")  # starts the prefetch threads
     assert "_prefetch_threads" in store.source.__dict__
-    copy = pickle.loads(pickle.dumps(store))
+    copy = pickle.loads(pickle.dumps(store))  # as a DataLoader worker gets it: our own bytes
     assert "_prefetch_threads" not in copy.source.__dict__ and not copy._opened
     assert torch.equal(copy.fetch(*copy.window_at(3), "sequence"), first)
     assert (

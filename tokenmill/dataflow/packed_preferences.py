@@ -43,11 +43,7 @@ class _PackedSequences(BatchCollator):
     name = ""
 
     def __init__(self, pad_id: int = 0, label_pad_id: int = -100, pad_to: int | None = None):
-        if pad_to is not None and pad_to <= 0:
-            raise ValueError(f"pad_to must be positive, got {pad_to}")
-        self.pad_id = pad_id
-        self.label_pad_id = label_pad_id
-        self.pad_to = pad_to
+        self.packer = PackedCollator(pad_id, label_pad_id, pad_to)  # lays out the row
 
     def _row(self, sequences: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         samples = []
@@ -61,12 +57,13 @@ class _PackedSequences(BatchCollator):
                 {"input_ids": tokens[:-1], "target_ids": tokens[1:], "loss_mask": mask[1:].bool()}
             )
         total = sum(len(s["input_ids"]) for s in samples)
-        if self.pad_to is not None and total > self.pad_to:
+        pad_to = self.packer.pad_to
+        if pad_to is not None and total > pad_to:
             raise ValueError(
-                f"{self.name}: group has {total} tokens, over pad_to={self.pad_to}; batch with "
+                f"{self.name}: group has {total} tokens, over pad_to={pad_to}; batch with "
                 "a token budget no larger than pad_to, and size_fn=packed_tokens"
             )
-        return PackedCollator(self.pad_id, self.label_pad_id, self.pad_to).collate(samples)
+        return self.packer.collate(samples)
 
 
 class PackedDPOCollator(_PackedSequences):

@@ -155,18 +155,24 @@ def _numbered_lines(
         _report(_stream_error(path, line, exc), on_error)
 
 
-def _read_text(path: InputPath, on_error: OnError, text_unit: TextUnit) -> Iterator[Record]:
-    """Plain text as `{"text"}` records: the whole file (line 1), or each line (its number, its
-    line break left out; blank lines kept, for the filters to count)."""
-    source = str(path)
+def _read_whole(path: InputPath, on_error: OnError) -> bytes | None:
+    """A file read whole, its UTF-8 BOM dropped; None (reported) where it cannot be read."""
     try:
         with open_bytes(path) as stream:
             raw = stream.read()
     except _STREAM_ERRORS as exc:
         _report(_stream_error(path, None, exc), on_error)
+        return None
+    return raw.removeprefix(codecs.BOM_UTF8)
+
+
+def _read_text(path: InputPath, on_error: OnError, text_unit: TextUnit) -> Iterator[Record]:
+    """Plain text as `{"text"}` records: the whole file (line 1), or each line (its number, its
+    line break left out; blank lines kept, for the filters to count)."""
+    source = str(path)
+    raw = _read_whole(path, on_error)
+    if raw is None:
         return
-    if raw.startswith(codecs.BOM_UTF8):
-        raw = raw[len(codecs.BOM_UTF8) :]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -188,14 +194,9 @@ def _read_json(path: InputPath, on_error: OnError) -> Iterator[Record]:
     """A .json file is one document, an object or a list of objects (line = 1-based position);
     it is read whole, as orjson has no incremental parser."""
     source = str(path)
-    try:
-        with open_bytes(path) as stream:
-            raw = stream.read()
-    except _STREAM_ERRORS as exc:
-        _report(_stream_error(path, None, exc), on_error)
+    raw = _read_whole(path, on_error)
+    if raw is None:
         return
-    if raw.startswith(codecs.BOM_UTF8):
-        raw = raw[len(codecs.BOM_UTF8) :]
     if not raw.strip(b" \t\r\n"):
         return
     try:
