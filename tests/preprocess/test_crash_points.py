@@ -1,6 +1,6 @@
 """Crash consistency at every step, not at random ones: a preprocessing run is killed before
 each of its writes in turn (every file written, fsync, rename into place, journal line,
-manifest, run-folder removal), then run again; every re-run must finish with the bytes of a
+task record, manifest, run-folder removal), then run again; every re-run must finish with the bytes of a
 clean run and a dataset `verify` accepts, or refuse with the true reason (none is expected)."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class Crash:
 
     def install(self) -> None:
         """Wraps each write function wherever a tokenmill module bound it, and the writes
-        that are methods: journal lines, run-folder removal, a staged shard's finish."""
-        from tokenmill.preprocess.run.runlog import Journal
+        that are methods: run-folder removal, a staged shard's finish."""
+        from tokenmill.preprocess.run.runlog import RunFolder
         from tokenmill.shards import files
         from tokenmill.shards.writer import StagedPart, StagedShard
 
@@ -53,8 +53,7 @@ class Crash:
                 if callable(value) and value in originals:
                     setattr(module, attr, self.wrap(value))
         for owner, method in (
-            (Journal, "append"),
-            (Journal, "remove"),
+            (RunFolder, "remove"),
             (StagedShard, "finish"),
             (StagedPart, "finish"),
         ):
@@ -107,7 +106,7 @@ def test_a_run_killed_before_any_of_its_writes_resumes_to_the_clean_bytes(tmp_pa
     src = tmp_path / "chat.jsonl"
     src.write_text("".join(line + "\n" for line in lines[:24] if line))
     data = default_config("sft").model_dump(mode="json")
-    data["preprocessing"].update(batch_size=6)
+    data["preprocessing"].update(batch_size=6, task_bytes=src.stat().st_size // 3)
     data["output"].update(max_tokens_per_shard=8_000, storage_format=storage)
     config = PipelineConfig.from_dict(data)
     clean = tmp_path / "clean"

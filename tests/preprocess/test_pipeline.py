@@ -247,7 +247,7 @@ def test_jsonl_storage_format(tmp_path):
     cfg = config("dpo", output={"storage_format": "jsonl"})
     out = tmp_path / "out"
     Pipeline(cfg, [src], out, QWEN, workers=1).run()
-    lines = (out / "part_00000.jsonl").read_text().splitlines()
+    lines = (out / "part_00000_000.jsonl").read_text().splitlines()
     assert len(lines) == 10
     first = json.loads(lines[0])
     assert sorted(first) == ["chosen", "chosen_mask", "rejected", "rejected_mask"]
@@ -293,10 +293,15 @@ def test_malformed_pipeline_cases(tmp_path, case):
 def test_killed_run_resumes_to_identical_bytes(tmp_path):
     src = head(DATA / "chat_sharegpt_1000.jsonl", tmp_path / "chat.jsonl", 400)
     cfg_path = tmp_path / "sft.json"
-    data = config("sft", preprocessing={"batch_size": 8}, output={"max_tokens_per_shard": 20_000})
+    data = config(
+        "sft",
+        preprocessing={"batch_size": 8, "task_bytes": src.stat().st_size // 6},
+        output={"max_tokens_per_shard": 20_000},
+    )
     cfg_path.write_text(data.model_dump_json())
     clean = tmp_path / "clean"
     Pipeline(data, [src], clean, QWEN, workers=1, on_error="skip").run()
+    assert len({info["name"][:11] for info in read_manifest(clean)["domains"][""]}) >= 6
     out = tmp_path / "out"
     cmd = [
         sys.executable,
@@ -317,12 +322,13 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not (out / "shard_00003").exists() and time.time() < deadline:
+    record = out / ".tokenmill-run" / "tasks" / "00001.json"
+    while not record.exists() and time.time() < deadline:
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert read_manifest(out) is None and (out / "shard_00003").exists()
-    mtime = (out / "shard_00000" / "sequence.bin").stat().st_mtime_ns
+    assert read_manifest(out) is None and record.exists()
+    mtime = (out / "shard_00000_000" / "sequence.bin").stat().st_mtime_ns
     # an input touched since the crash is another job: refused, and the message says why
     stamp = src.stat()
     os.utime(src, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 10**9))
@@ -332,8 +338,8 @@ def test_killed_run_resumes_to_identical_bytes(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert (
-        out / "shard_00000" / "sequence.bin"
-    ).stat().st_mtime_ns == mtime  # reused, not rewritten
+        out / "shard_00000_000" / "sequence.bin"
+    ).stat().st_mtime_ns == mtime  # a done task's shards are kept, not rewritten
     assert files_of(out) == files_of(clean)
     assert read_manifest(out)["summary"]["skipped"] == read_manifest(clean)["summary"]["skipped"]
     assert read_manifest(out)["domains"] == read_manifest(clean)["domains"]

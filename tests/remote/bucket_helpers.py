@@ -16,9 +16,9 @@ SOURCES = {"sft": ("chat_sharegpt_1000.jsonl", 160), "seq": ("pretrain_c4_300.js
 
 
 def small_config(train_type: str, shard_tokens: int = 5_000) -> PipelineConfig:
-    """The built-in config, with small chunks and small shards: many shards from little data."""
+    """The built-in config, with small chunks, tasks and shards: many of each from little data."""
     data = default_config(train_type).model_dump(mode="json")
-    data["preprocessing"]["batch_size"] = 8
+    data["preprocessing"].update(batch_size=8, task_bytes=40_000)
     data["output"]["max_tokens_per_shard"] = shard_tokens
     return PipelineConfig.from_dict(data)
 

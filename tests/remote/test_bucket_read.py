@@ -128,19 +128,19 @@ def test_a_corrupted_object_is_fetched_again_then_refused_naming_the_shard(
     url = f"s3://{bucket}/seq"
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
     fs.put(str(local) + "/", f"{bucket}/seq/", recursive=True)
-    data = bytearray((local / "shard_00002" / "sequence.bin").read_bytes())
+    data = bytearray((local / "shard_00000_002" / "sequence.bin").read_bytes())
     data[10] ^= 0xFF  # same size, another byte
-    fs.pipe(f"{bucket}/seq/shard_00002/sequence.bin", bytes(data))
+    fs.pipe(f"{bucket}/seq/shard_00000_002/sequence.bin", bytes(data))
     store = MmapStore(
         window_size=256, cache_dir=tmp_path / "c", storage_options=options, prefetch=0
     )
     store.load(url)
     before = remote_module.STATS.refetches
-    with pytest.raises(ValueError, match=r"shard_00002: sequence\.bin: size or xxh64 differs"):
+    with pytest.raises(ValueError, match=r"shard_00000_002: sequence\.bin: size or xxh64 differs"):
         store.fetch(store._starts["sequence"][2], store._starts["sequence"][2] + 5, "sequence")
     assert remote_module.STATS.refetches == before + 1
     assert store.fetch(0, 5, "sequence").shape == (5,)  # the other shards read as ever
-    assert not (store.source.cache.dir / "shards" / "shard_00002" / "sequence.bin").exists()
+    assert not (store.source.cache.dir / "shards" / "shard_00000_002" / "sequence.bin").exists()
 
 
 def test_a_download_corrupted_on_the_way_is_fetched_again(datasets, options, tmp_path, monkeypatch):

@@ -11,12 +11,14 @@ import sys
 import time
 
 import fsspec
+import orjson
 import pytest
 from bucket_helpers import QWEN, download, files_of, small_config, source
 
 from tokenmill.preprocess.inputs.records import RecordError
 from tokenmill.preprocess.run.pipeline import Pipeline
-from tokenmill.preprocess.run.upload import BucketOutput, _published_in
+from tokenmill.preprocess.run.task_output import read_task_records
+from tokenmill.preprocess.run.upload import BucketOutput
 from tokenmill.shards.verify import verify_dataset
 from tokenmill.storage.remote import Remote, parse_size
 from tokenmill.tools.cli import main
@@ -76,8 +78,9 @@ def test_local_engine_uploads_arrays_then_meta_then_the_manifest_last(
         shard = uploads[i].rsplit("/", 1)[0]
         files = [j for j, rel in enumerate(uploads) if rel.startswith(shard + "/")]
         assert max(files) == i, f"{shard}: a file uploaded after its meta.json"
-        segments = [j for j, rel in enumerate(uploads[:i]) if "/journal/" in rel]
-        assert segments, f"{shard}: published before the journal that accounts for its rows"
+        record = f".tokenmill-run/tasks/{shard.split('_')[1]}.json"
+        assert uploads.index(record) > i, f"{shard}: its task's record came first"
+    assert sum("/tasks/" in rel for rel in uploads) >= 3  # tasks, each with its record
     assert not (tmp_path / "staging").exists()  # staging removed once committed
 
 
@@ -136,40 +139,39 @@ def test_the_cli_writes_a_url_to_the_bucket_not_to_a_local_folder(
 def test_a_stopped_run_resumes_from_the_bucket_on_another_machine(
     tmp_path, bucket, options, monkeypatch
 ):
-    """Stopped while shard 4 is half uploaded (its arrays there, no meta.json); resumed with
-    an empty staging folder, as another machine would: shards 0-3 are reused, not uploaded
-    again, and the result is byte-identical to a clean run."""
+    """Stopped while a shard of the second task is half uploaded (its arrays there, no
+    meta.json); resumed with an empty staging folder, as another machine would: the first
+    task's shards are reused, not uploaded again, and the result is byte-identical to a
+    clean run."""
     src, cfg, local = local_run(tmp_path)
     url = f"s3://{bucket}/sft"
     upload_shard = Remote.upload_shard
-    calls: list[str] = []
 
-    def stop_at_the_fifth(self, path, rel):
-        calls.append(rel)
-        if len(calls) == 5:
+    def stop_in_the_second_task(self, path, rel):
+        if rel.startswith("shard_00001_"):
             files = sorted(p for p in path.iterdir() if p.name != "meta.json")
             self.put([(files[0], f"{rel}/{files[0].name}")])  # half a shard, then the stop
             raise KeyboardInterrupt
         return upload_shard(self, path, rel)
 
-    monkeypatch.setattr(Remote, "upload_shard", stop_at_the_fifth)
+    monkeypatch.setattr(Remote, "upload_shard", stop_in_the_second_task)
     with pytest.raises(KeyboardInterrupt):
         bucket_run(cfg, src, url, options, tmp_path / "staging-a")
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
     keys = fs.find(f"{bucket}/sft")
     assert f"{bucket}/sft/manifest.json" not in keys
-    assert f"{bucket}/sft/shard_00004/meta.json" not in keys
-    assert any(k.startswith(f"{bucket}/sft/shard_00004/") for k in keys)  # the orphan
-    before = {k: fs.info(k)["LastModified"] for k in keys if "/shard_0000" in k}
+    assert f"{bucket}/sft/.tokenmill-run/tasks/00000.json" in keys
+    assert f"{bucket}/sft/.tokenmill-run/tasks/00001.json" not in keys
+    assert any(k.startswith(f"{bucket}/sft/shard_00001_000/") for k in keys)  # the orphan
+    before = {k: fs.info(k)["LastModified"] for k in keys if "/shard_00000_" in k}
+    assert before
     time.sleep(1.1)  # LastModified counts seconds
-    calls.clear()
     monkeypatch.setattr(Remote, "upload_shard", upload_shard)
     bucket_run(cfg, src, url, options, tmp_path / "staging-b")
     got = download(url, options, tmp_path / "got")
     assert files_of(got) == files_of(local)
     for k, stamp in before.items():
-        if "/shard_00004/" not in k:
-            assert fs.info(k)["LastModified"] == stamp, f"{k} uploaded again"
+        assert fs.info(k)["LastModified"] == stamp, f"{k} uploaded again"
 
 
 @pytest.mark.slow  # an S3 server and several runs
@@ -209,30 +211,14 @@ def test_a_bad_record_leaves_nothing_in_the_bucket(tmp_path, bucket, options):
     assert Remote(url, options).listing() == {}
 
 
-def test_only_the_unbroken_run_of_complete_shards_counts_as_published():
-    listing = {
-        "d/shard_00000/meta.json": 1,
-        "d/shard_00000/sequence.bin": 1,
-        "d/shard_00001/sequence.bin": 1,  # no meta.json: not published
-        "d/shard_00002/meta.json": 1,  # after a gap
-        "shard_00000/meta.json": 1,
-        "shard_00001/meta.json": 1,
-        "p/part_00000.jsonl": 1,
-        "p/part_00002.jsonl": 1,
-        ".tokenmill-run/run_id": 1,
-        "manifest.json": 1,
-    }
-    published, stale = _published_in(listing)
-    assert published == {
-        "d": ["shard_00000"],
-        "": ["shard_00000", "shard_00001"],
-        "p": ["part_00000.jsonl"],
-    }
-    assert sorted(stale) == [
-        "d/shard_00001/sequence.bin",
-        "d/shard_00002/meta.json",
-        "p/part_00002.jsonl",
-    ]
+def test_only_whole_records_of_this_run_s_tasks_count_as_done(tmp_path):
+    tasks = tmp_path / ".tokenmill-run" / "tasks"
+    tasks.mkdir(parents=True)
+    (tasks / "00000.json").write_bytes(orjson.dumps({"task": 0, "counts": {}}))
+    (tasks / "00001.json").write_bytes(b'{"task": 1, "cou')  # torn: done again
+    (tasks / "00002.json").write_bytes(orjson.dumps({"task": 7}))  # not its own: done again
+    (tasks / "00003.json.tmp-12").write_bytes(b"{}")
+    assert list(read_task_records(tmp_path, None)) == [0]
 
 
 def test_a_url_that_lost_a_slash_is_refused(tmp_path):
@@ -272,7 +258,7 @@ def test_a_killed_cli_run_resumes_from_the_bucket(tmp_path, bucket, s3_server):
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         fs.invalidate_cache()
-        if fs.exists(f"{bucket}/sft/shard_00003/meta.json"):
+        if fs.exists(f"{bucket}/sft/.tokenmill-run/tasks/00001.json"):
             break
         time.sleep(0.02)
     assert proc.poll() is None, "the run ended before it could be killed"
@@ -296,23 +282,16 @@ def ray_session():
 
 
 @pytest.mark.slow  # Ray
-@pytest.mark.parametrize("writes", ["driver", "tasks"])
-def test_the_ray_engine_writes_the_same_bytes_to_the_bucket(
-    tmp_path, bucket, options, ray_session, monkeypatch, writes
-):
-    """On one node the driver writes (and BucketOutput uploads, as for the local engine); on a
-    cluster, the write tasks upload their shards themselves."""
-    from tokenmill.preprocess.ray import engine as ray_engine
-
-    monkeypatch.setattr(ray_engine, "one_node", lambda ray: writes == "driver")
+def test_the_ray_engine_writes_the_same_bytes_to_the_bucket(tmp_path, bucket, options, ray_session):
+    """Each Ray task stages its shards on its node and uploads them, then its record."""
     src, cfg, local = local_run(tmp_path)
-    url = f"s3://{bucket}/ray-{writes}"
+    url = f"s3://{bucket}/ray"
     Pipeline(
         cfg,
         [src],
         url,
         QWEN,
-        workers=1,
+        workers=2,
         on_error="skip",
         engine="ray",
         progress=False,

@@ -68,7 +68,7 @@ def test_inspect_json_matches_independent_counts(capsys, datasets):
     code, out, _ = run(capsys, "inspect", datasets["sft"], "--json")
     assert code == 0
     stats = json.loads(out)
-    shard = datasets["sft"] / "shard_00000"
+    shard = datasets["sft"] / "shard_00000_000"
     seq = np.fromfile(shard / "sequence.bin", dtype=np.int32)
     mask = np.fromfile(shard / "loss_mask.bin", dtype=np.bool_)
     offsets = np.fromfile(shard / "sequence.offsets.bin", dtype=np.int64)
@@ -138,13 +138,13 @@ def _copy(src: Path, dst: Path) -> Path:
 def test_verify_names_each_corruption(capsys, datasets, tmp_path):
     assert run(capsys, "verify", datasets["sft"])[0] == 0
     truncated = _copy(datasets["sft"], tmp_path / "truncated")
-    path = truncated / "shard_00000" / "sequence.bin"
+    path = truncated / "shard_00000_000" / "sequence.bin"
     path.write_bytes(path.read_bytes()[:-4])
     code, out, _ = run(capsys, "verify", truncated)
-    assert code == 1 and "shard_00000" in out and "sequence.bin" in out
+    assert code == 1 and "shard_00000_000" in out and "sequence.bin" in out
 
     flipped = _copy(datasets["sft"], tmp_path / "flipped")
-    path = flipped / "shard_00000" / "loss_mask.bin"
+    path = flipped / "shard_00000_000" / "loss_mask.bin"
     data = bytearray(path.read_bytes())
     data[10] ^= 1
     path.write_bytes(bytes(data))
@@ -152,7 +152,7 @@ def test_verify_names_each_corruption(capsys, datasets, tmp_path):
     assert code == 1 and "loss_mask" in out and "checksum" in out
 
     bad = _copy(datasets["dpo"], tmp_path / "offsets")
-    path = bad / "shard_00000" / "chosen.offsets.bin"
+    path = bad / "shard_00000_000" / "chosen.offsets.bin"
     offsets = np.fromfile(path, dtype=np.int64)
     offsets[3] = 10**12
     offsets.tofile(path)

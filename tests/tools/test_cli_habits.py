@@ -52,7 +52,7 @@ def test_preprocess_and_verify_print_one_json_object(capsys, small, tmp_path):
 
     code, printed, _ = run(capsys, "verify", out, "--json")
     assert code == 0 and json.loads(printed) == {"dataset": str(out), "ok": True, "problems": []}
-    (out / "shard_00000" / "sequence.bin").write_bytes(b"\0\0\0\0")
+    (out / "shard_00000_000" / "sequence.bin").write_bytes(b"\0\0\0\0")
     code, printed, _ = run(capsys, "verify", out, "--json")
     report = json.loads(printed)
     assert code == 1 and not report["ok"] and "sequence.bin" in report["problems"][0]

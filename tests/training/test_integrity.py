@@ -157,48 +157,48 @@ def test_a_copied_dataset_keeps_its_page_checksums(tmp_path):
 
 # --- the corruption scorecard: each case, and where each level finds it ---------------------
 def flip_byte(out):
-    flip(out / "shard_00001" / "chosen.bin", 101)
+    flip(out / "shard_00000_001" / "chosen.bin", 101)
 
 
 def zero_page(out):
-    path = out / "shard_00001" / "chosen.bin"
+    path = out / "shard_00000_001" / "chosen.bin"
     data = bytearray(path.read_bytes())
     data[4096:8192] = bytes(4096)
     path.write_bytes(bytes(data))
 
 
 def scramble_offsets(out):
-    path = out / "shard_00001" / "rejected.offsets.bin"
+    path = out / "shard_00000_001" / "rejected.offsets.bin"
     values = np.fromfile(path, "<i8")
     values[[1, 2]] = values[[2, 1]]  # first and last kept: the sizes check passes
     values.tofile(path)
 
 
 def shift_offsets(out):
-    path = out / "shard_00001" / "chosen.offsets.bin"
+    path = out / "shard_00000_001" / "chosen.offsets.bin"
     values = np.fromfile(path, "<i8")
     values[1:-1] += 1  # still monotonic and in range: only a checksum tells
     values.tofile(path)
 
 
 def swap_shards(out):
-    (out / "shard_00000").rename(out / "swap")
-    (out / "shard_00001").rename(out / "shard_00000")
-    (out / "swap").rename(out / "shard_00001")
+    (out / "shard_00000_000").rename(out / "swap")
+    (out / "shard_00000_001").rename(out / "shard_00000_000")
+    (out / "swap").rename(out / "shard_00000_001")
 
 
 def edit_dtype(out):
-    meta = out / "shard_00001" / "meta.json"
+    meta = out / "shard_00000_001" / "meta.json"
     meta.write_text(meta.read_text().replace('"int32"', '"float32"', 1))
 
 
 def truncate(out):
-    path = out / "shard_00001" / "rejected_mask.bin"
+    path = out / "shard_00000_001" / "rejected_mask.bin"
     path.write_bytes(path.read_bytes()[:-1])
 
 
 def delete(out):
-    (out / "shard_00001" / "rejected.bin").unlink()
+    (out / "shard_00000_001" / "rejected.bin").unlink()
 
 
 # case -> where each level finds it: "load" (refused by DatasetFactory.load), "read" (raised
@@ -227,7 +227,7 @@ def dpo_output(tmp_path_factory):
     config = PipelineConfig.model_validate(data)
     out = tmp / "out"
     Pipeline(config, [src], out, ROOT / "data/tokenizers/qwen2.5", workers=1).run()
-    assert sorted(p.name for p in out.glob("shard_*")) == ["shard_00000", "shard_00001"]
+    assert sorted(p.name for p in out.glob("shard_*")) == ["shard_00000_000", "shard_00000_001"]
     return out
 
 

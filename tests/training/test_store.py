@@ -599,8 +599,8 @@ def test_an_unfinished_run_is_refused_and_unlisted_shards_ignored(tmp_path):
         PipelineConfig.from_dict(cfg), [src], out, ROOT / "data/tokenizers/qwen2.5", workers=1
     ).run()
     whole = MmapStore().load(out)
-    shutil.copytree(out / "shard_00000", out / "backup" / "shard_00000")
-    with pytest.warns(UserWarning, match=r"does not list: \['backup/shard_00000'\]") as said:
+    shutil.copytree(out / "shard_00000_000", out / "backup" / "shard_00000_000")
+    with pytest.warns(UserWarning, match=r"does not list: \['backup/shard_00000_000'\]") as said:
         again = MmapStore().load(out)
     assert [w.filename for w in said] == [__file__]  # the warning names the caller of load
     assert again.token_count == whole.token_count and again.num_rows == whole.num_rows
@@ -625,13 +625,13 @@ def test_an_edited_meta_json_is_caught_at_load_and_by_verify(tmp_path):
         src.write_text("".join(next(f) for _ in range(5)))
     out = tmp_path / "out"
     Pipeline(default_config("seq"), [src], out, ROOT / "data/tokenizers/qwen2.5", workers=1).run()
-    meta_file = out / "shard_00000" / "meta.json"
+    meta_file = out / "shard_00000_000" / "meta.json"
     meta_file.write_text(meta_file.read_text().replace('"int32"', '"float32"', 1))
     problems = verify_dataset(out)
     assert problems == [
-        "shard_00000/meta.json: edited since it was written (xxh64 differs from manifest.json)"
+        "shard_00000_000/meta.json: edited since it was written (xxh64 differs from manifest.json)"
     ]
-    with pytest.raises(ValueError, match=r"meta.json of \['shard_00000'\] edited since written"):
+    with pytest.raises(ValueError, match=r"meta.json of \['shard_00000_000'\] edited since written"):
         MmapStore().load(out)
 
 

@@ -243,6 +243,14 @@ class Preprocessing(_Strict):
     batch_size: int = Field(
         256, gt=0, description="records per chunk of work; packing pools never cross chunks"
     )
+    task_bytes: int = Field(
+        128 << 20,
+        gt=0,
+        description=(
+            "input bytes per task: a task reads its files (a plain .jsonl file larger than this"
+            " is split by byte ranges) and writes its own shards, so shards end at task ends"
+        ),
+    )
     packing_strategy: Literal["none", PackingStrategy] = Field(
         "simple",
         description=(

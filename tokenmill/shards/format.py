@@ -154,13 +154,17 @@ def trained_count(mask: Any) -> int:
     return int(np.count_nonzero(mask))
 
 
-def shard_name(index: int, storage_format: str) -> str:
-    return f"part_{index:05d}.jsonl" if storage_format == "jsonl" else f"shard_{index:05d}"
+def shard_name(index: int, storage_format: str, task: int | None = None) -> str:
+    """`shard_TTTTT_III` (or `part_TTTTT_III.jsonl`): shard III of preprocessing task TTTTT, so
+    that each task names its own shards without asking anyone; `task=None` gives the names of
+    datasets written before tasks wrote their own shards (`shard_NNNNN`)."""
+    stem = f"{index:05d}" if task is None else f"{task:05d}_{index:03d}"
+    return f"part_{stem}.jsonl" if storage_format == "jsonl" else f"shard_{stem}"
 
 
 def is_shard_name(name: str) -> bool:
     """A name `shard_name` writes (or may write): never a domain folder's name."""
-    return re.fullmatch(r"shard_\d+|part_\d+\.jsonl", name) is not None
+    return re.fullmatch(r"shard_\d+(_\d+)?|part_\d+(_\d+)?\.jsonl", name) is not None
 
 
 NO_POSITION = -2  # the position "before" a stream's first piece: there is none, so it opens one

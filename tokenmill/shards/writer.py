@@ -265,7 +265,8 @@ class ShardCutter:
 class ShardSpec:
     """What one domain's shards are: written in `domain_dir`, each key in its dtype, cut at
     `max_tokens_per_shard` tokens of `primary_key` (the ShardCutter rule), stored as
-    `storage_format`, numbered from `first_index`."""
+    `storage_format`, numbered from `first_index` (within preprocessing task `task`, whose
+    number the names carry: `shard_name`)."""
 
     domain_dir: Path
     dtypes: dict[str, str]
@@ -273,6 +274,7 @@ class ShardSpec:
     max_tokens_per_shard: int
     storage_format: str = "bin"
     first_index: int = 0
+    task: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "domain_dir", Path(self.domain_dir))
@@ -334,7 +336,7 @@ class ShardWriter:
         self.buffer.check(row)
         keys = list(self.buffer.keys or [])
         if self.staged is None:
-            final = self.domain_dir / shard_name(self.index, self.storage_format)
+            final = self.domain_dir / shard_name(self.index, self.storage_format, self.spec.task)
             self.domain_dir.mkdir(parents=True, exist_ok=True)
             self.staged = (
                 StagedPart(final)
@@ -352,7 +354,7 @@ class ShardWriter:
     def stage(self) -> tuple[Path, dict]:
         """Writes the open shard into its temp place beside its final one, not yet published;
         returns (temp, the shard's info). The Ray engine's write tasks stage, its driver publishes."""
-        name = shard_name(self.index, self.storage_format)
+        name = shard_name(self.index, self.storage_format, self.spec.task)
         final = self.domain_dir / name
         self.domain_dir.mkdir(parents=True, exist_ok=True)
         if self.staged is None:

@@ -1,6 +1,6 @@
-"""Engines: where a run's chunks are processed.
+"""Engines: where a run's tasks are done.
 
-chunks (the unit of work: records -> masked, packed rows) -> plans (where each chunk's
-records lie, for a worker elsewhere) -> engine (the interface; the local process pool, or
-the Ray engine of preprocess/ray).
+chunks (the unit of processing: records -> masked, packed rows) -> tasks (the unit of work
+and of output, planned from file sizes) -> engine (the interface; the local process pool,
+or the Ray engine of preprocess/ray).
 """

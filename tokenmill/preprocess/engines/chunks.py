@@ -1,8 +1,8 @@
-"""Chunks: the unit of preprocessing work, shared by the local and the Ray engine.
+"""Chunks: the unit of processing, shared by the local and the Ray engine.
 
-Records are cut into chunks of `batch_size` in input order; a chunk is masked
-and packed as a whole (packing pools never cross chunks), so the rows a chunk
-yields depend only on its records, never on which worker ran it.
+A task's records (engines/tasks.py) are cut into chunks of `batch_size` in input order; a
+chunk is masked and packed as a whole (packing pools never cross chunks), so the rows a
+chunk yields depend only on its records, never on which worker ran it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import Counter, deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,35 +31,39 @@ from tokenmill.preprocess.document.masking import RecordMasker
 from tokenmill.preprocess.document.parts import Premade, Rendering
 from tokenmill.preprocess.document.truncation import Part
 from tokenmill.preprocess.inputs.fields import get_field, get_tools, record_error
-from tokenmill.preprocess.inputs.files import InputPath
-from tokenmill.preprocess.inputs.records import Record, RecordError, read_records
+from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
-from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, row_tokens
+from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name
 
 _SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 @dataclass
 class Chunk:
+    """Chunk `index` of task `task`; `last`: the task's last chunk (every task has one, if
+    empty, so that a task's end is seen in the stream of results)."""
+
+    task: int
     index: int
     records: list[Record] = field(default_factory=list)
     read_errors: list[RecordError] = field(default_factory=list)
+    last: bool = False
 
 
 @dataclass
 class ChunkResult:
-    """One chunk's output rows (domain, row) and its counts, made where the rows are made, so that
-    an engine that keeps the rows on its workers (Ray) can count, plan and journal without them."""
+    """One chunk's output rows (domain, row), its errors and its counts."""
 
+    task: int
     index: int
+    last: bool
     records_read: int
     records_written: int
     rows: list[tuple[str, Any]]
     errors: list[RecordError]
     ledgers: dict[str, Ledger] = field(default_factory=dict)  # per domain
     trained_tokens: int = 0
-    sizes: list[int] = field(default_factory=list)  # primary-key tokens of each row
 
     @property
     def tokens(self) -> int:
@@ -68,35 +72,6 @@ class ChunkResult:
     @property
     def dropped_tokens(self) -> int:
         return sum(ledger.dropped_tokens for ledger in self.ledgers.values())
-
-
-def iter_chunks(
-    files: Sequence[InputPath], config: PipelineConfig, collect_errors: bool
-) -> Generator[Chunk, None, None]:
-    """Records of all files in order, cut into chunks; read errors travel with their chunk."""
-    size = config.preprocessing.batch_size
-    limit = config.preprocessing.max_items
-    chunk = Chunk(0)
-    seen = 0
-    for path in files:
-        errors: list[RecordError] = []
-        on_error = errors.append if collect_errors else None
-        for record in read_records(path, on_error, text_unit=config.input.text_unit):
-            if errors:
-                chunk.read_errors.extend(errors)
-                errors.clear()
-            chunk.records.append(record)
-            seen += 1
-            if len(chunk.records) == size:
-                yield chunk
-                chunk = Chunk(chunk.index + 1)
-            if limit is not None and seen >= limit:
-                break
-        chunk.read_errors.extend(errors)
-        if limit is not None and seen >= limit:
-            break
-    if chunk.records or chunk.read_errors:
-        yield chunk
 
 
 THREADS = 2  # chunks a process works on at once: one thread encodes (no GIL) while another masks
@@ -295,10 +270,8 @@ def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
         rows.extend((domain, row) for row in packed)
     read = len(chunk.records) + len(chunk.read_errors)
     written = sum(len(v) for v in by_domain.values())
-    result = ChunkResult(chunk.index, read, written, rows, errors, ledgers)
+    result = ChunkResult(chunk.task, chunk.index, chunk.last, read, written, rows, errors, ledgers)
     result.trained_tokens = sum(schema.trained_tokens(row) for _, row in rows)
-    primary = masker.layout.primary_key()
-    result.sizes = [row_tokens(row[primary]) for _, row in rows]
     return result
 
 

@@ -1,13 +1,10 @@
-"""Engines: where a run's chunks are processed and its shards written.
+"""Engines: where a run's tasks are done (engines/tasks.py).
 
 The pipeline talks to one interface: `session()` holds what the run needs (Ray: a
-connection), `results()` yields each chunk's `ChunkResult` in chunk order, and `writer()`
-gives a domain's shard writer for its `ShardSpec` (for output to a bucket, `bucket` is the
-run's BucketOutput:
-the Ray engine's write tasks upload their shards themselves; the local engine's shards are
-uploaded by the BucketOutput as they are published). `LocalEngine` uses threads of this
-machine (two to a process); `RayEngine` (ray/engine.py) a Ray cluster, with the same chunks,
-cut and bytes.
+connection), and `run_tasks()` does the tasks it is given and yields each one's record
+(run/task_output.py) in task order; each task writes its own shards. `LocalEngine` uses
+threads of this machine (two to a process) and writes the shards here; `RayEngine`
+(ray/engine.py) runs each task on a Ray cluster, where the task writes its own shards.
 """
 
 from __future__ import annotations
@@ -21,36 +18,33 @@ from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from itertools import chain, islice
 from multiprocessing import get_context
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
-
-from tokenmill.shards.writer import ShardSpec, ShardWriter
 
 if TYPE_CHECKING:  # the chunk machinery (tokenizer, templates) loads when a run starts
     from tokenmill.preprocess.config import PipelineConfig
     from tokenmill.preprocess.engines.chunks import Chunk, ChunkResult
-    from tokenmill.preprocess.inputs.files import InputPath
+    from tokenmill.preprocess.engines.tasks import TaskPlan
+    from tokenmill.preprocess.run.task_output import OutputSpec
 
 ENGINES = ("local", "ray")
 
 
 class Engine(Protocol):
-    """`collect_errors`: read errors travel in each chunk instead of raising at the read; the
-    Ray engine always collects them, and the pipeline decides what an error stops."""
+    """`run_tasks` does `plans` (in task order) and yields each task's record in that order;
+    under on_error="raise" the first bad record in input order raises, after every task
+    started has stopped (nothing is written after the error reaches the pipeline)."""
 
     def session(self) -> contextlib.AbstractContextManager[Any]: ...
 
-    def results(
+    def run_tasks(
         self,
-        files: Sequence[InputPath],
+        plans: Sequence[TaskPlan],
         config: PipelineConfig,
         tokenizer_path: str,
-        collect_errors: bool,
-        first_chunk: int,
-    ) -> Generator[ChunkResult, None, None]: ...
-
-    def writer(self, spec: ShardSpec, bucket: Any = None) -> Any:
-        """The shard writer of one domain's shards."""
-        ...
+        spec: OutputSpec,
+        staging: Path | None,
+    ) -> Generator[dict[str, Any], None, None]: ...
 
 
 def make_engine(name: str, workers: int | None, ray_address: str | None = None) -> Engine:
@@ -93,22 +87,47 @@ class LocalEngine:
     def session(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def results(
+    def run_tasks(
         self,
-        files: Sequence[InputPath],
+        plans: Sequence[TaskPlan],
         config: PipelineConfig,
         tokenizer_path: str,
-        collect_errors: bool,
-        first_chunk: int,
-    ) -> Generator[ChunkResult, None, None]:
-        from tokenmill.preprocess.engines.chunks import (
-            THREADS,
-            iter_chunks,
-            process_chunks,
-            process_here,
-        )
+        spec: OutputSpec,
+        staging: Path | None,
+    ) -> Generator[dict[str, Any], None, None]:
+        """The tasks' chunks in one stream, so the threads stay busy across tasks' ends; this
+        thread writes each task's shards as its results come, in order."""
+        from tokenmill.preprocess.engines.tasks import task_chunks
+        from tokenmill.preprocess.run.task_output import TaskWriter
 
-        chunks = (c for c in iter_chunks(files, config, collect_errors) if c.index >= first_chunk)
+        pre = config.preprocessing
+        budget = None if pre.max_items is None else [pre.max_items]
+        unit = config.input.text_unit
+        chunks = chain.from_iterable(
+            task_chunks(plan, pre.batch_size, unit, budget) for plan in plans
+        )
+        by_index = {plan.index: plan for plan in plans}
+        writer: TaskWriter | None = None
+        with contextlib.closing(self._results(chunks, config, tokenizer_path)) as results:
+            try:
+                for result in results:
+                    if writer is None:
+                        writer = TaskWriter(spec, by_index[result.task], staging)
+                    writer.add(result)
+                    if result.last:
+                        done, writer = writer, None
+                        yield done.finish()
+            except BaseException:
+                if writer is not None:
+                    writer.abort()
+                raise
+
+    def _results(
+        self, chunks: Iterator[Chunk], config: PipelineConfig, tokenizer_path: str
+    ) -> Generator[ChunkResult, None, None]:
+        """The chunks' results in order, worked on `workers` threads."""
+        from tokenmill.preprocess.engines.chunks import THREADS, process_chunks, process_here
+
         args = (config.model_dump(mode="json"), tokenizer_path)
         workers = self.workers or os.cpu_count() or 1
         first = list(islice(chunks, THREADS + 1))
@@ -132,10 +151,6 @@ class LocalEngine:
                 yield from pending.popleft().result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)  # an error or a closed run: no more
-
-    def writer(self, spec: ShardSpec, bucket: Any = None) -> ShardWriter:
-        """A ShardWriter here; a bucket's uploads are the BucketOutput's."""
-        return ShardWriter(spec)
 
 
 def _groups(chunks: Iterator[Chunk], size: int) -> Iterator[list[Chunk]]:

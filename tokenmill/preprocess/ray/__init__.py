@@ -1,6 +1,5 @@
-"""The Ray engine: the local engine's chunks, processed on a Ray cluster, same bytes out.
+"""The Ray engine: the local engine's tasks, each done by a Ray task that writes its own shards.
 
-engine (RayEngine: the whole flow) -> results (the scan, and the Ray Data tasks that mask and
-pack work units) | head_start (the driver's own share of the first task's chunks) -> merge
-(chunks back on the driver, once each, in chunk order) -> writer (shards written by tasks).
+engine (RayEngine: connect, size the task pool, run the tasks, hand their records back in
+task order).
 """

@@ -1,49 +1,43 @@
-"""Ray engine: the pipeline's chunks read, masked, packed and written on a Ray cluster.
+"""Ray engine: each of the run's tasks done by a Ray task, which writes its own shards.
 
-Used by `Pipeline(engine="ray")` in place of the local engine's threads:
-1. scan (Ray Data, a task per file, `plans.scan_file`): record counts, positions and read
-   errors, so that the driver cuts the same chunks as `iter_chunks` (`plans.plan_chunks`);
-2. process (Ray Data `map_batches` tasks, in Ray's worker processes, each of which loads the
-   tokenizer once): `process_chunk`, the local engine's own function, on THREADS threads; the
-   driver shares the first task's chunks from the run's start, while the scan runs and that
-   task starts, to the end (`ray_head_start.head_start`); the rows stay in the object store
-   and only each chunk's counts reach the driver, in chunk order;
-3. write: on a cluster of one node the driver writes each chunk's rows as it comes, read in
-   place from its object store, with the local ShardWriter (`one_node`); else (Ray tasks) the
-   driver cuts shards with the local writer's rule and a task per shard gathers its rows and
-   writes it; the driver renames finished shards into place in order (output to a bucket:
-   the task uploads its shard, meta.json last, after the driver has uploaded the journal
-   lines that account for its rows).
-Same chunks, same code, same cut: the output equals the local engine's byte for byte.
-Steps 1 and 2 are in ray/results.py (the head start in ray/head_start.py, the chunks' way back
-to the driver in ray/merge.py), step 3 in ray/writer.py.
+Used by `Pipeline(engine="ray")` in place of the local engine's threads. The driver does
+bookkeeping only, O(tasks): it submits the tasks (planned from file sizes, engines/tasks.py)
+a few at a time, and takes back each one's record (counts, bad records, shard entries: a
+few hundred bytes) in task order. A task reads its own records (a byte range of a JSONL
+file, or whole files), masks and packs them on THREADS threads with the local engine's own
+code, and writes its shards into the output (a shared folder, or a bucket: staged on its
+node, then uploaded), then its record (run/task_output.py). No row passes through the driver
+or another task. Same tasks, same code, same cut: the bytes are the local engine's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
+import uuid
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.engines.chunks import ChunkResult
-from tokenmill.preprocess.inputs.files import InputPath
-from tokenmill.preprocess.ray.results import ray_results
-from tokenmill.preprocess.ray.writer import RayShardWriter, Upload
-from tokenmill.shards.writer import ShardSpec, ShardWriter
+from tokenmill.preprocess.engines.tasks import TaskPlan
+from tokenmill.preprocess.inputs.records import RecordError
+from tokenmill.preprocess.run.task_output import OutputSpec
 
 INSTALL_HINT = "pip install 'tokenmill[ray]'"
+AHEAD = 2  # tasks submitted per task slot: the next one is queued when one ends
+MAX_RETRIES = 8  # a task whose process or node died is run again, from its start
 
 
 def require_ray() -> ModuleType:
     """The `ray` module, or an ImportError that says how to install it."""
     try:
         import ray
-        import ray.data  # noqa: F401
     except ImportError as err:
         raise ImportError(
-            f"engine='ray' needs Ray Data, which is not installed: {INSTALL_HINT}"
+            f"engine='ray' needs Ray, which is not installed: {INSTALL_HINT}"
         ) from err
     return ray
 
@@ -63,64 +57,106 @@ def connect(address: str | None) -> Iterator[ModuleType]:
             ray.shutdown()
 
 
-def one_node(ray: ModuleType) -> bool:
-    """Whether the cluster is the driver's node alone (reached without Ray Client): then every
-    chunk's block is in the driver's object store, and the driver writes the shards as the
-    chunks come, as the local engine does, where write tasks would each write a whole shard
-    once it is cut: the last one only after the last chunk (at 3,000 chat records, 0.15 s
-    more at the end of a 3 s run). A node added later only makes its blocks travel."""
-    from ray.util.client import ray as client
+_RUN: str | None = None  # the run this worker process is set up for (`setup_worker`)
 
-    if client.is_connected():
-        return False
-    alive = [node for node in ray.nodes() if node["Alive"]]
-    return len(alive) == 1 and alive[0]["NodeID"] == ray.get_runtime_context().get_node_id()
+
+def run_task(
+    plan: TaskPlan, run: str, config_data: dict, tokenizer_path: str, spec: OutputSpec
+) -> dict[str, Any]:
+    """A Ray task: one task's chunks worked on THREADS threads, as a local engine's process
+    works them, its shards written and its record returned. Ray keeps its worker processes,
+    so a process loads the tokenizer and starts its threads at its first task of a run only.
+    A bad record under on_error="raise" comes back as {"error": ...}, its task's shards
+    removed, so that the driver raises the first one in input order."""
+    global _RUN
+    from tokenmill.preprocess.chat.tokenizer import tokenizer_threads_off
+    from tokenmill.preprocess.engines.chunks import process_stream, setup_worker
+    from tokenmill.preprocess.engines.tasks import task_chunks
+    from tokenmill.preprocess.run.task_output import TaskWriter
+
+    if _RUN != run:
+        setup_worker(config_data, tokenizer_path)
+        _RUN = run
+    pre, unit = config_data["preprocessing"], config_data["input"].get("text_unit", "file")
+    writer = TaskWriter(spec, plan)
+    try:
+        with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
+            for result in process_stream(task_chunks(plan, pre["batch_size"], unit)):
+                writer.add(result)
+        return writer.finish()
+    except RecordError as err:
+        writer.abort()
+        return {"task": plan.index, "error": err}
+    except BaseException:
+        writer.abort()
+        raise
 
 
 class RayEngine:
-    """The pipeline's engine on Ray: `ray_results` for chunks, `RayShardWriter` for shards (on
-    a cluster of one node, the local ShardWriter, on the driver: `one_node`)."""
+    """The pipeline's engine on Ray (see the module's docstring)."""
 
     def __init__(self, workers: int | None, address: str | None):
         require_ray()  # fail before touching the output folder
         self.workers = workers
         self.address = address
         self.ray: Any = None  # the ray module while a session is open
-        self.rows_here = False  # the driver writes the rows (`one_node`)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
         with connect(self.address) as self.ray:
             try:
-                self.rows_here = one_node(self.ray)
                 yield
             finally:
                 self.ray = None
 
-    def results(
+    def run_tasks(
         self,
-        files: Sequence[InputPath],
+        plans: Sequence[TaskPlan],
         config: PipelineConfig,
         tokenizer_path: str,
-        collect_errors: bool,
-        first_chunk: int,
-    ) -> Generator[ChunkResult, None, None]:
-        args = (config.model_dump(mode="json"), tokenizer_path)
-        return ray_results(
-            self.ray, files, args, self.workers, first_chunk=first_chunk, rows_here=self.rows_here
-        )
+        spec: OutputSpec,
+        staging: Path | None,
+    ) -> Generator[dict[str, Any], None, None]:
+        """Records in task order; at most AHEAD tasks per slot are submitted at once, so the
+        driver holds a few records, whatever the run's size."""
+        ray = self.ray
+        nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+        node = min((cpus for cpus in nodes if cpus > 0), default=1.0)
+        total = float(ray.cluster_resources().get("CPU", 1.0))
+        slots, cpus = pool_size(total, self.workers, node)
+        remote = ray.remote(run_task).options(num_cpus=cpus, max_retries=MAX_RETRIES)
+        args = (uuid.uuid4().hex, config.model_dump(mode="json"), tokenizer_path, spec)
+        shared = [ray.put(arg) for arg in args]  # sent once, not with every task
+        todo = iter(plans)
+        pending: deque[Any] = deque()
+        try:
+            while True:
+                while len(pending) < AHEAD * slots and (plan := next(todo, None)) is not None:
+                    pending.append(remote.remote(plan, *shared))
+                if not pending:
+                    return
+                record = ray.get(pending.popleft())
+                if "error" in record:
+                    raise record["error"]
+                yield record
+        finally:  # an error or a closed run: the tasks still running are stopped, and waited for
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            for ref in pending:
+                with contextlib.suppress(Exception):
+                    ray.get(ref)
 
-    def writer(self, shards: ShardSpec, bucket: Any = None) -> RayShardWriter | ShardWriter:
-        """The shard writer of one domain's shards."""
-        if self.rows_here:  # a bucket's uploads are then the local engine's (BucketOutput)
-            return ShardWriter(shards)
-        upload = None
-        if bucket is not None:  # the write tasks upload; the driver first uploads the journal
-            domain = shards.domain_dir.relative_to(bucket.local).as_posix()
-            upload = Upload(bucket.remote, bucket.rel("" if domain == "." else domain))
-        return RayShardWriter(
-            self.ray,
-            shards,
-            upload=upload,
-            before_upload=bucket.sync_journal if bucket is not None else None,
-        )
+
+def pool_size(cpus: float, workers: int | None, node: float | None = None) -> tuple[int, float]:
+    """(tasks at once, CPUs per task): `workers` (default: one per cluster CPU) are threads,
+    THREADS to a task as to a local engine's process; the tasks share the cluster's `cpus`,
+    at most THREADS each and no more than the smallest node has (`node`: else a task that
+    fits no node would wait forever), rounded down, so that they all fit."""
+    from tokenmill.preprocess.engines.chunks import THREADS
+
+    threads = workers if workers is not None else max(1, int(cpus))
+    size = -(-threads // THREADS)
+    share = math.floor(100 * cpus / size) / 100
+    if share < 0.01:
+        raise ValueError(f"workers={threads} is more than a Ray cluster of {cpus:g} CPUs can run")
+    return size, min(float(THREADS), share, node if node is not None else float(THREADS))

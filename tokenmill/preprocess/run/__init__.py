@@ -1,5 +1,6 @@
 """The run: one preprocessing run, resumable after a crash, its output local or in a bucket.
 
-pipeline (Pipeline: inputs -> engine -> shards -> manifest) -> runlog (Summary and the
-resume Journal) -> upload (an output at a URL: parts uploaded, manifest last).
+pipeline (Pipeline: inputs -> tasks on an engine -> manifest) -> task_output (a task's
+shards and its record, the unit of resume) -> runlog (Summary, the run folder) -> upload
+(an output at a URL: the bucket's side of a run, manifest last).
 """

@@ -1,23 +1,25 @@
-"""Pipeline: input files -> masked, packed records -> shards + manifest, on an engine.
+"""Pipeline: input files -> tasks -> shards + manifest, on an engine.
 
-The orchestration stage. Records are cut into fixed chunks of `batch_size` in
-input order (file, then line); workers process chunks, and the writer consumes
-results strictly in chunk order, so the bytes written do not depend on the
-number of workers. Under `on_error="raise"` a bad record stops the run and the
-shards it published are removed: no manifest, nothing that looks complete. An output URL
-(`s3://bucket/prefix`, any fsspec filesystem) is staged locally and uploaded shard by shard,
-manifest last (upload.py).
+The orchestration stage. The inputs are planned into tasks from their sizes
+(engines/tasks.py); each task cuts its records into chunks of `batch_size`, masks and
+packs them, and writes its own shards and its record (run/task_output.py), so the bytes
+written do not depend on the engine or the number of workers. The pipeline orders the
+tasks' records into the summary, `rejects.jsonl` and the manifest: O(tasks) work. Under
+`on_error="raise"` a bad record stops the run and the shards it published are removed: no
+manifest, nothing that looks complete. An output URL (`s3://bucket/prefix`, any fsspec
+filesystem) gets each task's shards uploaded by the task, manifest last (upload.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
@@ -25,10 +27,9 @@ from tokenmill import __version__
 from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 from tokenmill.preprocess.chat.training_templates import template_identity
 from tokenmill.preprocess.config import PipelineConfig
-from tokenmill.preprocess.document.filters import FILTER_REASONS
 from tokenmill.preprocess.document.masking import RecordMasker
-from tokenmill.preprocess.engines.chunks import ChunkResult
 from tokenmill.preprocess.engines.engine import make_engine
+from tokenmill.preprocess.engines.tasks import TaskPlan, plan_tasks
 from tokenmill.preprocess.inputs.files import (
     InputPath,
     input_identity,
@@ -37,12 +38,12 @@ from tokenmill.preprocess.inputs.files import (
 )
 from tokenmill.preprocess.inputs.hf import DatasetInput
 from tokenmill.preprocess.inputs.records import ON_ERROR, RecordError
-from tokenmill.preprocess.run.runlog import Journal, ResumeState, Summary, output_lock
+from tokenmill.preprocess.run.runlog import RunFolder, Summary, output_lock, reject_line
+from tokenmill.preprocess.run.task_output import OutputSpec, read_task_records
 from tokenmill.preprocess.run.upload import BucketOutput
-from tokenmill.shards.files import write_atomic
-from tokenmill.shards.format import RUN_DIR, natural_key
+from tokenmill.shards.files import fsync_dir
+from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, natural_key
 from tokenmill.shards.manifest import read_manifest, write_manifest
-from tokenmill.shards.writer import ShardSpec, ShardWriter
 from tokenmill.storage.location import output_location
 from tokenmill.storage.remote import Remote
 
@@ -106,11 +107,15 @@ class Pipeline:
     def _run(self) -> Summary:
         start = time.perf_counter()
         files = list_inputs(self.inputs)
-        self._input_rank = {str(f): i for i, f in enumerate(files)}  # rejects in input order
         if self.engine == "ray" and any(isinstance(f, DatasetInput) for f in files):
             raise ValueError(
                 "the ray engine reads input files on its workers, not an in-memory dataset: "
                 "save it (Dataset.save_to_disk(DIR) or to_parquet) and pass that"
+            )
+        if self.engine == "ray" and self.config.preprocessing.max_items is not None:
+            raise ValueError(
+                "preprocessing.max_items needs the records counted in input order, which the "
+                "ray engine's tasks do not do: use the local engine, or cut the input"
             )
         for file in files:  # the output folder is removed on a bad record or --overwrite
             if (isinstance(file, Path) and self._out in (file, *file.parents)) or (
@@ -121,141 +126,95 @@ class Pipeline:
                 )
         bundle = load_tokenizer(self.tokenizer_path)
         masker = RecordMasker(self.config, bundle)  # validates that the tokenizer suits the config
-        inputs = [[str(f), *input_identity(f)] for f in files]  # read once: the run's own view
+        identities = [input_identity(f) for f in files]  # read once: the run's own view
+        inputs = [[str(f), *identity] for f, identity in zip(files, identities, strict=True)]
         run_id = self._run_id(bundle.fingerprint, inputs)
         done = self._prepare_output(run_id, inputs)
         if done is not None:
             return done
-        journal = Journal(self._out, run_id, inputs)
-        published = self.bucket.published if self.bucket is not None else None
-        state = journal.resume(self._out, masker.layout.primary_key(), published)
+        run_folder = RunFolder(self._out, run_id, inputs)
+        remote = self.bucket.remote if self.bucket is not None else None
         if self.bucket is not None:
             self.bucket.start()
-        summary, rejects = state.summary, state.rejects
-        with self._engine.session():
-            domains = self._write(files, masker, journal, state)
+        sizes = [size for size, _ in identities]
+        plans = plan_tasks(files, sizes, self.config.preprocessing.task_bytes)
+        out = self.config.output
+        spec = OutputSpec(
+            None if remote is not None else self._out,
+            remote,
+            masker.layout.dtypes(),
+            masker.layout.primary_key(),
+            out.max_tokens_per_shard,
+            out.storage_format,
+            self.on_error,
+        )
+        try:
+            with self._engine.session():
+                summary, domains = self._merge(plans, spec)
+        except BaseException as err:
+            if isinstance(err, RecordError):  # bad input: remove everything, nothing looks complete
+                self._remove_output()
+                run_folder.remove()
+            if self.bucket is not None:
+                self.bucket.abort(remove=isinstance(err, RecordError))
+            raise
         summary.shards = sum(len(infos) for infos in domains.values())
         unbalanced = summary.ledger().unbalanced()
         if unbalanced:  # a defect in tokenmill, never in the data: no manifest, nothing complete
             raise RuntimeError(f"{self.output_dir}: the ledger does not balance: {unbalanced}")
         summary.seconds = time.perf_counter() - start
-        if rejects:
-            write_atomic(self._out / "rejects.jsonl", b"".join(rejects))
+        rejects = self._out / RUN_DIR / "rejects.jsonl"
+        if rejects.exists():
+            os.replace(rejects, self._out / "rejects.jsonl")
+            fsync_dir(self._out)
         write_manifest(
             self._out, self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id)
         )
         if self.bucket is not None:
             self.bucket.commit()  # manifest.json uploaded last: the commit point
-        journal.remove()
+        run_folder.remove()
         return summary
 
-    def _write(
-        self, files: list[InputPath], masker: RecordMasker, journal: Journal, state: ResumeState
-    ) -> dict[str, list[dict]]:
-        """Consumes every chunk's result in order; returns each domain's published shard infos."""
-        writers = {d: self._writer(d, masker, len(infos)) for d, infos in state.published.items()}
-        for d, infos in state.published.items():
-            writers[d].published = list(infos)  # shards reused from the interrupted run
+    def _merge(
+        self, plans: list[TaskPlan], spec: OutputSpec
+    ) -> tuple[Summary, dict[str, list[dict]]]:
+        """The tasks' records in task order (those of an interrupted run's tasks read back,
+        the others as the engine does them) into the summary, the rejects and each domain's
+        shard entries."""
+        done = read_task_records(spec.out, spec.remote)
+        todo = [plan for plan in plans if plan.index not in done]
+        staging = self.bucket.local if self.bucket is not None else None
+        summary, domains = Summary(), dict[str, list[dict]]()
         bar = _progress_bar(self.progress)
+        rejects: IO[bytes] | None = None
+        results = self._engine.run_tasks(todo, self.config, self.tokenizer_path, spec, staging)
         try:
-            # closing: on an error the engine stops now (Ray: its tasks), not at garbage collection
-            with contextlib.closing(self._results(files, state.chunks_done)) as results:
-                for result in results:
-                    self._consume(result, masker, writers, state, bar, journal)
-            domains = {d: w.close() for d, w in writers.items()}
-            if self.bucket is not None:
-                for d, w in writers.items():
-                    self.bucket.watch(d, w)
-            return domains
-        except BaseException as err:
-            for w in writers.values():
-                w.abort()
-            if isinstance(err, RecordError):  # bad input: remove everything, nothing looks complete
-                self._remove_published(writers)
-                journal.remove()
-            if self.bucket is not None:
-                self.bucket.abort(remove=isinstance(err, RecordError))
-            raise
+            for plan in plans:
+                record = done.get(plan.index) or next(results)
+                if record["task"] != plan.index:  # a defect in an engine, never in the data
+                    raise RuntimeError(f"task {record['task']} came where {plan.index} was due")
+                summary.add_counts(record["counts"])
+                for err in record["errors"]:
+                    summary.count_error(err["reason"], err["text"])
+                    if rejects is None:
+                        rejects = open(self._out / RUN_DIR / "rejects.jsonl", "wb")  # noqa: SIM115
+                    rejects.write(reject_line(err))
+                for domain, infos in record["shards"].items():
+                    domains.setdefault(domain, []).extend(infos)
+                if bar is not None:
+                    bar.update(record["counts"]["records_read"])
+                    rate = summary.tokens / max(bar.format_dict["elapsed"], 1e-9)
+                    bar.set_postfix_str(f"{summary.tokens:,} tokens, {rate:,.0f} tok/s")
+            if rejects is not None:
+                rejects.flush()
+                os.fsync(rejects.fileno())
         finally:
+            results.close()  # the engine's tasks still running stop now
+            if rejects is not None:
+                rejects.close()
             if bar is not None:
                 bar.close()
-
-    def _results(
-        self, files: list[InputPath], chunks_done: int
-    ) -> Generator[ChunkResult, None, None]:
-        collect = self.on_error == "skip"
-        return self._engine.results(files, self.config, self.tokenizer_path, collect, chunks_done)
-
-    def _consume(
-        self,
-        result: ChunkResult,
-        masker: RecordMasker,
-        writers: dict[str, Any],
-        state: ResumeState,
-        bar: Any,
-        journal: Journal,
-    ) -> None:
-        """Counts a chunk, journals it, then hands its rows to the writers (minus rows already on disk)."""
-        summary, skip_rows = state.summary, state.skip_rows
-        errors: list[dict[str, Any]] = []
-        for err in result.errors:
-            if self.on_error == "raise" and err.reason not in FILTER_REASONS:
-                raise err
-            errors.append(
-                {
-                    "source": err.source,
-                    "line": err.line,
-                    "field": err.field,
-                    "reason": err.reason,
-                    "message": err.message,
-                    "text": str(err),
-                }
-            )
-        # a chunk's unreadable lines come before its records' errors: put them in input order
-        unknown = len(self._input_rank)
-        errors.sort(key=lambda e: (self._input_rank.get(e["source"], unknown), e["line"] or 0))
-        counts = {
-            "records_read": result.records_read,
-            "records_written": result.records_written,
-            "rows": len(result.rows),
-            "tokens": result.tokens,
-            "trained_tokens": result.trained_tokens,
-            "ledgers": {domain: ledger.as_dict() for domain, ledger in result.ledgers.items()},
-        }
-        rows_per_domain: dict[str, int] = {}
-        for domain, _ in result.rows:
-            rows_per_domain[domain] = rows_per_domain.get(domain, 0) + 1
-        journal.append(result.index, rows_per_domain, counts, errors)
-        for err_line in errors:
-            state.add_error(err_line)
-        summary.add_counts(counts)
-        for domain, row in result.rows:
-            if skip_rows.get(domain, 0) > 0:
-                skip_rows[domain] -= 1  # already in a published shard from the interrupted run
-                continue
-            if domain not in writers:
-                writers[domain] = self._writer(domain, masker, 0)
-            writers[domain].add(row)
-            if self.bucket is not None:
-                self.bucket.watch(domain, writers[domain])
-        if bar is not None:
-            bar.update(result.records_read)
-            rate = summary.tokens / max(bar.format_dict["elapsed"], 1e-9)
-            bar.set_postfix_str(f"{summary.tokens:,} tokens, {rate:,.0f} tok/s")
-
-    def _writer(self, domain: str, masker: RecordMasker, first_index: int) -> Any:
-        """The domain's shard writer, from the engine (same cut on every engine)."""
-        domain_dir = self._out / domain if domain else self._out
-        out = self.config.output
-        spec = ShardSpec(
-            domain_dir,
-            masker.layout.dtypes(),
-            masker.layout.primary_key(),
-            out.max_tokens_per_shard,
-            out.storage_format,
-            first_index,
-        )
-        return self._engine.writer(spec, bucket=self.bucket)
+        return summary, {d: infos for d, infos in domains.items() if infos}
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:
@@ -277,7 +236,7 @@ class Pipeline:
                     "--overwrite replaces only what tokenmill wrote; remove it yourself"
                 )
             shutil.rmtree(out)
-        if Journal.never_started(out):  # killed before it wrote anything: start afresh
+        if RunFolder.never_started(out):  # killed before it wrote anything: start afresh
             shutil.rmtree(out / RUN_DIR)
         if not out.exists() or not any(out.iterdir()):
             out.mkdir(parents=True, exist_ok=True)
@@ -286,21 +245,26 @@ class Pipeline:
         if manifest is not None and manifest.get("run_id") == run_id:
             shutil.rmtree(out / RUN_DIR, ignore_errors=True)  # a crash right after the manifest
             return Summary(**manifest["summary"])  # the same job already finished: nothing to do
-        if manifest is None and Journal.run_id_of(out) == run_id:
+        if manifest is None and RunFolder.run_id_of(out) == run_id:
             return None  # an interrupted run of this same job: resume it
-        changed = Journal.changed_inputs(out, inputs) if manifest is None else []
+        changed = RunFolder.changed_inputs(out, inputs) if manifest is None else []
         why = f" (an interrupted run of another job: {'; '.join(changed)})" if changed else ""
         raise FileExistsError(
             f"{out} holds other data{why}; pass overwrite=True (--overwrite) to replace it"
         )
 
-    def _remove_published(self, writers: dict[str, ShardWriter]) -> None:
-        for domain in writers:
-            domain_dir = self._out / domain if domain else self._out
-            for shard in domain_dir.glob("shard_*"):
-                shutil.rmtree(shard, ignore_errors=True)
-            for part in domain_dir.glob("part_*.jsonl"):
-                part.unlink(missing_ok=True)
+    def _remove_output(self) -> None:
+        """Every shard, part and temp file in the output and its domain folders (a bucket's
+        are the BucketOutput's to remove)."""
+        if self.bucket is not None:
+            return
+        ours = lambda path: is_shard_name(path.name.split(TMP_MARK)[0])  # noqa: E731
+        domains = [p for p in self._out.iterdir() if p.is_dir() and p.name != RUN_DIR]
+        for folder in (self._out, *(d for d in domains if not ours(d))):
+            for path in [p for p in folder.iterdir() if ours(p)]:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            if folder != self._out and not any(folder.iterdir()):
+                folder.rmdir()
 
     def _manifest(
         self,

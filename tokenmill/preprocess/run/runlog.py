@@ -1,10 +1,10 @@
-"""What a preprocessing run did (Summary) and how to pick it up after a crash (Journal).
+"""What a preprocessing run did (Summary), the folder that lets it resume (RunFolder), and
+the output's lock.
 
-Beside pipeline.py: the pipeline appends one journal line per chunk it consumes,
-before any of that chunk's rows can reach a shard. After a crash, the published
-shards plus the journal say which chunks are fully on disk (skipped on resume,
-their counts restored) and how many rows of the next chunk to skip, so a resumed
-run reuses complete shards and ends byte-identical to a clean run.
+Beside pipeline.py: each task that ends writes its record (run/task_output.py); after a
+crash, the records say which tasks are done (kept, their counts restored in task order);
+every other task is done again from its start, rewriting its own shards, so a resumed run
+ends byte-identical to a clean run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import datetime
 import os
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,7 @@ import orjson
 
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.shards.files import locked, write_atomic
-from tokenmill.shards.format import RUN_DIR, TMP_MARK, checksum, row_tokens, shard_records
-from tokenmill.shards.reader import find_shards, read_meta
+from tokenmill.shards.format import RUN_DIR
 
 FIRST_ERRORS_PER_REASON = 5
 
@@ -56,7 +55,7 @@ class Summary:
             first.append(text)
 
     def add_counts(self, counts: dict[str, Any]) -> None:
-        """Adds one chunk's counts (as the journal keeps them) to the run's."""
+        """Adds one task's counts (as its record keeps them) to the run's."""
         for name in ("records_read", "records_written", "rows", "tokens", "trained_tokens"):
             setattr(self, name, getattr(self, name) + counts[name])
         total = self.ledger()
@@ -102,33 +101,18 @@ class Summary:
         return "\n".join(lines)
 
 
-@dataclass
-class ResumeState:
-    chunks_done: int = 0
-    summary: Summary = field(default_factory=Summary)
-    rejects: list[bytes] = field(default_factory=list)
-    published: dict[str, list[dict]] = field(default_factory=dict)
-    skip_rows: dict[str, int] = field(default_factory=dict)
-
-    def add_error(self, err: dict[str, Any]) -> None:
-        """Counts a dropped record (as the journal keeps it) and lists it for rejects.jsonl."""
-        self.summary.count_error(err["reason"], err["text"])
-        fields = ("source", "line", "field", "reason", "message")
-        self.rejects.append(orjson.dumps({k: err[k] for k in fields}) + b"\n")
-
-
-class Journal:
-    """Append-only log of consumed chunks in OUT/.tokenmill-run/, removed when the manifest lands."""
+class RunFolder:
+    """OUT/.tokenmill-run/: the run's identity (its id, then its inputs), the records of its
+    tasks done (run/task_output.py) and its rejects as they are ordered; removed when the
+    manifest lands. What a resume reads: O(tasks), never a per-chunk log."""
 
     def __init__(self, output_dir: Path, run_id: str, inputs: list[list] | None = None):
         self.dir = Path(output_dir) / RUN_DIR
-        self.path = self.dir / "journal.jsonl"
         self.dir.mkdir(parents=True, exist_ok=True)
         id_file = self.dir / "run_id"
         if not id_file.exists():  # run_id first: a kill before inputs.json still resumes
             write_atomic(id_file, run_id.encode())
             write_atomic(self.dir / "inputs.json", orjson.dumps(inputs or []))
-        self._file = open(self.path, "ab")
 
     @staticmethod
     def never_started(output_dir: Path) -> bool:
@@ -163,120 +147,14 @@ class Journal:
         changed += [f"{name} is gone" for name in before if name not in now]
         return changed or ["same inputs; the config, tokenizer or --on-error differ"]
 
-    def append(
-        self, chunk: int, rows: dict[str, int], counts: dict[str, Any], errors: list[dict]
-    ) -> None:
-        line = {"chunk": chunk, "rows": rows, "counts": counts, "errors": errors}
-        self._file.write(orjson.dumps(line) + b"\n")
-        self._file.flush()
-
     def remove(self) -> None:
-        self._file.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def resume(
-        self,
-        output_dir: Path,
-        primary: str,
-        published: Callable[[str, str], list[dict]] | None = None,
-    ) -> ResumeState:
-        """State to continue from: chunks fully on disk, their counts, rows of the next chunk
-        to skip. `published(domain, primary)` gives a domain's published shard infos (default:
-        the shards in its folder below output_dir; a bucket's for output to object storage)."""
-        entries = self._entries()
-        state = ResumeState()
-        if not entries:
-            return state
-        domains = sorted({d for e in entries for d in e["rows"]})
-        root = Path(output_dir)
-        on_disk = {
-            d: published(d, primary)
-            if published is not None
-            else published_shards(root / d if d else root, primary)
-            for d in domains
-        }
-        rows = {d: sum(info["records"] for info in infos) for d, infos in on_disk.items()}
-        cum = dict.fromkeys(domains, 0)
-        done = 0
-        for entry in entries:
-            after = {d: cum[d] + entry["rows"].get(d, 0) for d in domains}
-            if any(after[d] > rows[d] for d in domains):
-                break
-            cum = after
-            done += 1
-            _replay(state, entry)
-        state.chunks_done = done
-        state.published = {d: infos for d, infos in on_disk.items() if infos}
-        state.skip_rows = {d: rows[d] - cum[d] for d in domains if rows[d] > cum[d]}
-        total = {d: sum(e["rows"].get(d, 0) for e in entries) for d in domains}
-        if any(rows[d] > total[d] for d in domains):
-            raise ValueError(
-                f"{output_dir}: shards hold more rows than the run journal knows; "
-                "cannot resume, pass --overwrite to start again"
-            )
-        # keep only the journal lines of chunks that will not be processed again
-        self._file.close()
-        # a crash here leaves the old journal, never half of one
-        write_atomic(self.path, b"".join(orjson.dumps(e) + b"\n" for e in entries[:done]))
-        self._file = open(self.path, "ab")
-        return state
 
-    def _entries(self) -> list[dict]:
-        entries = []
-        for raw in self.path.read_bytes().splitlines():
-            try:
-                entries.append(orjson.loads(raw))
-            except orjson.JSONDecodeError:
-                break  # a line torn by the crash: that chunk is simply processed again
-        return [e for i, e in enumerate(entries) if e["chunk"] == i]
-
-
-def _replay(state: ResumeState, entry: dict) -> None:
-    state.summary.add_counts(entry["counts"])
-    for err in entry["errors"]:
-        state.add_error(err)
-
-
-def published_shards(domain_dir: Path, primary: str) -> list[dict]:
-    """Infos of the shards (or JSONL parts) already published in one domain folder; temp leftovers removed."""
-    if not domain_dir.is_dir():
-        return []
-    for tmp in domain_dir.glob(f"*{TMP_MARK}*"):
-        shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
-    infos = []
-    for shard in find_shards(domain_dir):
-        if shard.parent != domain_dir:
-            continue
-        read_meta(shard)  # checked
-        infos.append(shard_info(shard.name, (shard / "meta.json").read_bytes(), primary))
-    for part in sorted(domain_dir.glob("part_*.jsonl")):
-        infos.append(part_info(part.name, part.read_bytes(), primary))
-    return infos
-
-
-def shard_info(name: str, meta_bytes: bytes, primary: str) -> dict:
-    """A published shard's manifest entry, from its meta.json."""
-    meta = orjson.loads(meta_bytes)
-    return {
-        "name": name,
-        "records": shard_records(meta),
-        "tokens": meta[primary]["shape"][0],
-        "keys": list(meta),
-        "meta_xxh64": checksum(meta_bytes),
-    }
-
-
-def part_info(name: str, data: bytes, primary: str) -> dict:
-    """A published JSONL part's manifest entry, from its bytes."""
-    lines = data.splitlines()
-    return {
-        "name": name,
-        "records": len(lines),
-        "tokens": sum(row_tokens(orjson.loads(line)[primary]) for line in lines),
-        "keys": list(orjson.loads(lines[0])) if lines else [],
-        "nbytes": len(data),
-        "xxh64": checksum(data),
-    }
+def reject_line(err: dict[str, Any]) -> bytes:
+    """A bad record's line in rejects.jsonl, from its entry in a task's record."""
+    fields = ("source", "line", "field", "reason", "message")
+    return orjson.dumps({k: err[k] for k in fields}) + b"\n"
 
 
 @contextlib.contextmanager
