@@ -208,10 +208,12 @@ SCORECARD = {
     zero_page: (None, "read", "read", "read"),
     scramble_offsets: (None, "read", "read", "read"),
     shift_offsets: (None, "read", "read", "read"),
-    swap_shards: ("load", "load", "load", "load"),
-    edit_dtype: ("load", "load", "load", "load"),
-    truncate: ("load", "load", "load", "load"),
-    delete: ("load", "load", "load", "load"),
+    # the dataset's index opens it in O(1): a shard's files and meta.json are checked when
+    # the shard is first read, against what the index recorded
+    swap_shards: ("read", "read", "read", "read"),
+    edit_dtype: ("read", "read", "read", "read"),
+    truncate: ("read", "read", "read", "read"),
+    delete: ("read", "read", "read", "read"),
 }
 
 

@@ -11,17 +11,23 @@ client, the cache, its eviction, the prefetch threads and the look-ahead budget)
 `open_source` picks one: with the object storage client and `location`, the one place that
 tells a URL from a local path. Pickled, a source carries paths and metadata, never data or
 threads: a DataLoader worker opens its own.
+
+A dataset with an index (shards/index.py) opens in O(1) shards: names and counts come from
+the index, a shard's meta.json is read only when the shard is opened and its checksums are
+needed (an integrity level above "sizes", or a download). A dataset without one reads every
+meta.json at load, as before the index, and says so once.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Container
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.format import RUN_DIR, Column, checksum
+from tokenmill.shards.index import INDEX_NAME, ShardIndex, find_index
 from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import check_sizes, find_shards, map_shard, read_meta
 from tokenmill.shards.verify import check_shard, verify_dataset
@@ -46,15 +52,44 @@ class BucketOptions:
         self.limit = parse_size(self.cache_limit)  # a size that does not parse fails here
 
 
+class IndexedShards(Sequence):
+    """A dataset's shards as its index lists them: (name, meta.json) by number, each meta.json
+    read (`read`) only when asked for."""
+
+    def __init__(self, index: ShardIndex, read: Callable[[int], dict]) -> None:
+        self.shard_index, self.read = index, read
+
+    def __len__(self) -> int:
+        return self.shard_index.count
+
+    def __getitem__(self, s: int) -> tuple[str, dict]:  # type: ignore[override]
+        if not 0 <= s < self.shard_index.count:
+            raise IndexError(f"shard {s} out of range [0, {self.shard_index.count})")
+        return self.shard_index.name(s), self.read(s)
+
+    def __iter__(self) -> Iterator[tuple[str, dict]]:
+        return (self[s] for s in range(len(self)))
+
+
 class ShardSource:
     """Where a dataset's shards live (see the module docstring). `shards` lists each shard's
-    name below the dataset and its meta.json, in the order the store reads them."""
+    name below the dataset and its meta.json, in the order the store reads them (read on
+    demand where the dataset has an `index`)."""
 
     root: Path | str  # the dataset's folder, or its URL
-    manifest: dict | None
-    shards: list[tuple[str, dict]]
+    shards: Sequence[tuple[str, dict]]
+    index: ShardIndex | None = None
     opens_keys_alone = False  # one key of a shard opens for less than the whole shard
     prefetches = False  # downloads ahead of the reads: `ready` and `prefetch_items` do something
+
+    @property
+    def manifest(self) -> dict | None:
+        """The dataset's manifest, read when first asked for (None without one)."""
+        raise NotImplementedError
+
+    def name(self, s: int) -> str:
+        """Shard s's name below the dataset."""
+        return self.index.name(s) if self.index is not None else self.shards[s][0]
 
     def open(self, s: int) -> dict[str, Column]:
         """Shard s's columns, mapped read-only."""
@@ -128,6 +163,7 @@ def open_source(
 def open_checked(shard: Path, rel: str, meta: dict, level: str) -> dict[str, Column]:
     """A shard mapped on its first read, after the store's integrity level's checks: a shard
     found corrupt raises here, naming the shard, the check and what it found."""
+    check_sizes(shard, meta)  # a missing or truncated file is named before any is read
     problems = check_shard(shard, rel, meta, level)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -139,26 +175,59 @@ def open_checked(shard: Path, rel: str, meta: dict, level: str) -> dict[str, Col
 
 
 class FolderSource(ShardSource):
-    """Every shard below a local folder, mapped where it lies: every file's size checked when
-    the source is made (and again in each process it is sent to), each shard checked at the
-    integrity level when first opened."""
+    """Every shard below a local folder, mapped where it lies, checked at the integrity level
+    when first opened. With an index, nothing more is read at load; without, every meta.json
+    is read and every file's size checked when the source is made (and again in each process
+    it is sent to)."""
 
     root: Path
 
     def __init__(
-        self, root: Path, manifest: dict | None, shards: list[tuple[str, dict]], integrity: str
+        self,
+        root: Path,
+        manifest: dict | None,
+        shards: list[tuple[str, dict]] | None,
+        integrity: str,
+        index: ShardIndex | None = None,
     ):
-        self.root, self.manifest, self.shards = root, manifest, shards
-        self.integrity = integrity
-        self._check_sizes()
+        self.root, self._manifest, self.integrity, self.index = root, manifest, integrity, index
+        if index is not None:
+            self.shards: Sequence[tuple[str, dict]] = IndexedShards(index, self._read_meta)
+        else:
+            self.shards = shards or []
+            self._check_sizes()
+
+    @property
+    def manifest(self) -> dict | None:
+        if self._manifest is None and (self.root / "manifest.json").is_file():
+            self._manifest = read_manifest(self.root)
+        return self._manifest
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_manifest": None}  # read again where asked for
+
+    def _read_meta(self, s: int) -> dict:
+        """Shard s's meta.json, checked against the index (where it was edited since)."""
+        assert self.index is not None
+        rel = self.index.name(s)
+        path = self.root / rel / "meta.json"
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise ValueError(
+                f"{path}: cannot read: {err}; the dataset changed since it was indexed, run "
+                f"`tokenmill verify {self.root}`"
+            ) from None
+        self.index.check_meta(s, data, str(path))
+        return read_meta(self.root / rel)
 
     @classmethod
     def load(cls, root: Path, integrity: str, allow_partial: bool) -> FolderSource:
         """The shards below `root`: the manifest's, or every shard folder without one."""
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: not a folder of shards")
-        manifest = read_manifest(root)
-        if manifest is None and (root / RUN_DIR).is_dir():
+        finished = (root / "manifest.json").is_file()
+        if not finished and (root / RUN_DIR).is_dir():
             if not allow_partial:
                 raise ValueError(
                     f"{root}: the tokenmill run writing this dataset has not finished (no "
@@ -168,6 +237,15 @@ class FolderSource(ShardSource):
             warnings.warn(
                 f"{root}: loading an unfinished run's shards", stacklevel=4
             )  # the caller of the store's load
+        index = find_index(root)
+        if index is not None:
+            return cls(root, None, None, integrity, index)
+        warnings.warn(
+            f"{root}: no {INDEX_NAME} (written before datasets had one): opening reads every "
+            f"shard's meta.json; run `tokenmill index {root}` once to open it in O(1)",
+            stacklevel=4,
+        )
+        manifest = read_manifest(root)
         folders = find_shards(root)
         if not folders:
             raise FileNotFoundError(f"{root}: no shard (a folder with meta.json) below it")
@@ -181,7 +259,8 @@ class FolderSource(ShardSource):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._check_sizes()
+        if self.index is None:
+            self._check_sizes()
 
     def open(self, s: int) -> dict[str, Column]:
         rel, meta = self.shards[s]

@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--json", action="store_true", help="print the problems found as JSON")
     storage_option(v)
 
+    x = sub.add_parser("index", help="write a dataset's shards.index, so that it opens in O(1)")
+    x.add_argument("dataset", help="a dataset folder of bin shards (written before it had one)")
+
     i = sub.add_parser("inspect", help="per-domain counts, lengths, trained share, provenance")
     i.add_argument("dataset", help="a dataset folder, or its URL (s3://bucket/prefix, ...)")
     storage_option(i)
@@ -255,6 +258,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def cmd_index(args: argparse.Namespace) -> int:
+    from tokenmill.shards.index import INDEX_NAME, write_index
+
+    write_index(Path(args.dataset))
+    print(f"{Path(args.dataset) / INDEX_NAME}: written")
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from tokenmill.tools.convert import export_megatron
     from tokenmill.tools.hf_export import export_hf
@@ -317,6 +328,7 @@ COMMANDS = {
     "inspect": cmd_inspect,
     "show": cmd_show,
     "verify": cmd_verify,
+    "index": cmd_index,
     "export": cmd_export,
     "import": cmd_import,
     "demo": cmd_demo,

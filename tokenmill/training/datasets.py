@@ -56,6 +56,11 @@ class BaseDataset(Dataset):
         """Stream positions [first, last] that items read; None: items are records."""
         return None
 
+    def shard_bounds(self) -> np.ndarray:
+        """The first item of each shard, and the item count: items are rows (records), so
+        the store's row starts (shuffle="shards" orders shards by these)."""
+        return np.asarray(self.store._record_starts, dtype=np.int64)
+
     def _data_identity(self) -> str:
         """What identifies the data when the store has no fingerprint of its own."""
         raise NotImplementedError
@@ -122,6 +127,13 @@ class _StreamDataset(BaseDataset):
         what a bucket's shards are fetched ahead for (`MmapStore.prefetch_items`)."""
         first = (indices % len(self)) * int(self.store.stride)
         return first, first + int(self.store.window_size)
+
+    def shard_bounds(self) -> np.ndarray:
+        """The first window starting at or after each shard's first token, and the count."""
+        n = len(self)
+        starts = np.asarray(self.store._shared_starts[:-1], dtype=np.int64)
+        stride = int(self.store.stride)
+        return np.append(np.minimum(-(-starts // stride), n), n)
 
     def sample_length(self, index: int) -> int:
         windows, _, size = self._windows or self._geometry  # every window has the store's size
@@ -192,7 +204,10 @@ class SFTDataset(_StreamDataset):
 
     - row (default): one stored row, whole conversations packed by the pipeline, never cut;
       the item also carries `doc_lengths`, its documents' lengths in `input_ids` (from the
-      shards' stored boundaries), for PackedCollator's `cu_seqlens`.
+      shards' stored boundaries), for PackedCollator's `cu_seqlens`. Each row's place and
+      length are read from its shard's offsets when asked for (nothing is held per row);
+      whether rows start at documents, and the longest, come from the dataset's index (a
+      dataset without one has every row read once at open to tell).
     - record: one conversation (document) alone, for padding or packing at load time.
     - window: window i of the concatenated token stream (the seed's behaviour): windows
       start anywhere, mid-conversation included.
@@ -209,30 +224,37 @@ class SFTDataset(_StreamDataset):
         if sample not in SAMPLES:
             raise ValueError(f"sample must be one of {list(SAMPLES)}, got {sample!r}")
         self.sample = sample
-        if sample != "window":
-            self._starts, self._lengths = self._documents() if sample == "record" else self._rows()
-            limit = getattr(store, "window_size", None) or max_len
-            too_long = np.flatnonzero(self._lengths - 1 > limit)
-            if len(too_long):
-                longest = int(self._lengths.max())
-                raise ValueError(
-                    f"{len(too_long)} {sample}s are longer than the sample ({limit} + 1 tokens); "
-                    f"the longest has {longest:,}: load with window_size >= {longest - 1}, "
-                    f"preprocess with max_packed_len <= {limit + 1}, or use sample='window'"
-                )
+        if sample == "window":
+            return
+        if sample == "record":
+            self._starts, self._lengths = self._documents()
+            longest = int(self._lengths.max()) if len(self._lengths) else 0
+        else:
+            longest = self._check_rows()
+        limit = getattr(store, "window_size", None) or max_len
+        if longest - 1 > limit:
+            raise ValueError(
+                f"{sample}s are longer than the sample ({limit} + 1 tokens); "
+                f"the longest has {longest:,}: load with window_size >= {longest - 1}, "
+                f"preprocess with max_packed_len <= {limit + 1}, or use sample='window'"
+            )
 
-    def _rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's start in the token stream and its length; every row must open a
-        document (`opens_document`)."""
-        lengths = np.asarray(self.store.row_lengths("sequence"), dtype=np.int64)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        inside = int(np.count_nonzero(~self._opens(starts))) if self._marks() else 0
+    def _check_rows(self) -> int:
+        """Refuses rows that start inside a document (`opens_document`); returns the longest
+        row's tokens. A dataset's index tells both; else every row is read once."""
+        inside = getattr(self.store, "rows_inside_documents", lambda: None)()
+        longest = getattr(self.store, "longest_row", lambda key: None)("sequence")
+        if inside is None or longest is None:
+            lengths = np.asarray(self.store.row_lengths("sequence"), dtype=np.int64)
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+            inside = int(np.count_nonzero(~self._opens(starts))) if self._marks() else 0
+            longest = int(lengths.max()) if len(lengths) else 0
         if inside:
             raise ValueError(
                 f"{inside} rows start inside a document (the config split documents across "
                 "rows: packing stream or bfd_split); use sample='record' or sample='window'"
             )
-        return starts, lengths
+        return longest
 
     def _documents(self) -> tuple[np.ndarray, np.ndarray]:
         """Each document's start in the token stream and its length, by `opens_document`: the
@@ -278,7 +300,23 @@ class SFTDataset(_StreamDataset):
         return positions_mark_documents(manifest if isinstance(manifest, dict) else None)
 
     def __len__(self) -> int:
+        if self.sample == "row":
+            return int(self.store.num_rows)
         return super().__len__() if self.sample == "window" else len(self._lengths)
+
+    def shard_bounds(self) -> np.ndarray:
+        if self.sample == "row":
+            return BaseDataset.shard_bounds(self)
+        if self.sample == "window":
+            return super().shard_bounds()
+        starts = np.asarray(self.store._shared_starts[:-1], dtype=np.int64)
+        return np.append(np.searchsorted(self._starts, starts, side="left"), len(self))
+
+    def _span(self, index: int) -> tuple[int, int]:
+        """(start in the token stream, tokens) of item `index` (a row or a record)."""
+        if self.sample == "row":
+            return self.store.row_span(index, "sequence")
+        return int(self._starts[index]), int(self._lengths[index])
 
     @property
     def fixed_windows(self) -> bool:
@@ -287,13 +325,16 @@ class SFTDataset(_StreamDataset):
     def item_ranges(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         if self.sample == "window":
             return super().item_ranges(indices)
-        first = self._starts[indices]
-        return first, first + np.maximum(self._lengths[indices] - 1, 0)
+        if self.sample == "row":
+            first, lengths = self.store.row_spans(np.asarray(indices) % len(self), "sequence")
+        else:
+            first, lengths = self._starts[indices], self._lengths[indices]
+        return first, first + np.maximum(lengths - 1, 0)
 
     def sample_length(self, index: int) -> int:
         if self.sample == "window":
             return super().sample_length(index)
-        return int(self._lengths[self._check_index(index)]) - 1
+        return self._span(self._check_index(index))[1] - 1
 
     def _cut_params(self) -> str:
         return super()._cut_params() if self.sample == "window" else f"sample={self.sample}"
@@ -306,10 +347,8 @@ class SFTDataset(_StreamDataset):
             data = self._window(index, self.keys)
         else:
             index = self._check_index(index)
-            begin = int(self._starts[index])
-            data = self.store.fetch_arrays(
-                begin, begin + int(self._lengths[index]), list(self.keys)
-            )
+            begin, length = self._span(index)
+            data = self.store.fetch_arrays(begin, begin + length, list(self.keys))
         tokens = data["sequence"].astype(np.int64)  # the one copy, widened; astype always copies
         item = {
             "input_ids": torch.from_numpy(tokens[:-1]),

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenmill.shards.format import is_tmp
+from tokenmill.shards.index import INDEX_NAME
 from tokenmill.storage.source import through_cache
 from tokenmill.training.jsonl_store import JsonlStore
 from tokenmill.training.mmap_store import MmapStore
@@ -26,6 +27,9 @@ def detect_format(path: str | Path) -> str:
         )
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such file or folder")
+
+    if (path / INDEX_NAME).is_file():  # an indexed dataset of shards: no folder listed
+        return "bin"
 
     def any_below(pattern: str) -> bool:
         return any(not is_tmp(p.relative_to(path)) for p in path.rglob(pattern))

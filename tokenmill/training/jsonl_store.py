@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -88,7 +88,7 @@ class JsonlStore(Store):
         """True when loaded with processor=: records are processed on fetch, no stream access."""
         return self.processor is not None
 
-    def _loaded(self) -> list[ShardView]:
+    def _loaded(self) -> Sequence[ShardView]:
         if self.processor is not None:
             raise ValueError("a JsonlStore loaded with processor= reads records only (fetch_row)")
         return super()._loaded()

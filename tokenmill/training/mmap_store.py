@@ -1,7 +1,9 @@
 """MmapStore: every shard of a dataset memory-mapped read-only, wherever the shards live.
 
-Opening costs O(shards), not O(records): each shard's meta.json at load, its files mapped on
-first use. The shards are read through a source (storage/source.py): a local folder's where
+Opening a dataset with an index (shards/index.py) costs O(1) shards: the index is mapped,
+each shard's files are mapped on first use (at most `max_open_shards` at a time, within the
+open-file limit); a dataset without one costs O(shards): every meta.json at load. The shards
+are read through a source (storage/source.py): a local folder's where
 they lie, a dataset at a URL (s3://...) through the machine's shard cache; the store asks it
 to make ready the shards a batch of windows reads, and to fetch ahead the shards a sample
 order reads next (order_prefetch.py). Pickling carries paths, never data, so DataLoader workers
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,11 +25,12 @@ from tokenmill.shards.format import DTYPES, Column, shard_records
 from tokenmill.shards.verify import INTEGRITY
 from tokenmill.storage.source import BucketOptions, ShardSource, open_source
 from tokenmill.training.open_views import ShardView
-from tokenmill.training.store import Store, Transform
+from tokenmill.training.store import NO_STARTS, Store, Transform
 
 
 class MmapStore(Store):
-    """Every shard below a folder, memory-mapped read-only; opening costs O(shards), not O(records).
+    """Every shard below a folder, memory-mapped read-only; opening costs O(1) shards with
+    the dataset's index, O(shards) without.
 
     For a URL: `cache_dir` (default TOKENMILL_CACHE or ~/.cache/tokenmill/shards) is the
     machine's shard cache, shared by every process; `cache_limit` (bytes, or "20GB") the
@@ -91,16 +95,37 @@ class MmapStore(Store):
         return self.source
 
     def _map(self) -> None:
-        """A view per shard, opened by the source on first use."""
+        """A view per shard, opened by the source on first use: made when first asked for
+        from the index's arrays, or all at once from every meta.json (no index)."""
         source = self._source()
-        views = []
-        for s, (rel, meta) in enumerate(source.shards):
-            sizes = {k: int(e["shape"][0]) for k, e in meta.items()}
-            dtypes = {k: DTYPES[e["dtype"]] for k, e in meta.items()}
-            opener = partial(source.open, s)
-            views.append(ShardView(rel, shard_records(meta), sizes, dtypes, open=opener))
-        self._set_views(views)
-        self._view_starts = np.asarray(self._shared_starts, dtype=np.int64)
+        index = source.index
+        if index is not None:
+            files = sum(1 + bool(e["offsets"]) + bool(e["items"]) for e in index.keys.values())
+            views = _IndexViews(source, index.starts, index.records, index.dtypes)
+            streams = index.header.get("stream_keys")
+            self._set_layout(index.starts, index.records, index.dtypes, views, files, streams)
+        else:
+            shards = []
+            for s, (rel, meta) in enumerate(source.shards):
+                sizes = {k: int(e["shape"][0]) for k, e in meta.items()}
+                dtypes = {k: DTYPES[e["dtype"]] for k, e in meta.items()}
+                opener = partial(source.open, s)
+                shards.append(ShardView(rel, shard_records(meta), sizes, dtypes, open=opener))
+            meta = source.shards[0][1]
+            files = sum(
+                1 + isinstance(e.get("offsets"), dict) + isinstance(e.get("items"), dict)
+                for e in meta.values()
+            )
+            self._set_views(shards, files)
+        self._view_starts = self._shared_starts
+
+    def longest_row(self, key: str) -> int | None:
+        index = self._source().index
+        return None if index is None else index.header["longest"].get(self._key(key))
+
+    def rows_inside_documents(self) -> int | None:
+        index = self._source().index
+        return None if index is None else index.header["rows_inside"]
 
     # --- reads the source prepares -------------------------------------------------------
     def _key_values(self, s: int, key: str) -> np.ndarray:
@@ -173,8 +198,11 @@ class MmapStore(Store):
 
     @property
     def fingerprint(self) -> str:
-        """Identity of the data: a hash over every shard's name and meta.json (sizes, checksums)."""
+        """Identity of the data: a hash over every shard's name and meta.json (sizes, checksums),
+        which the dataset's index holds."""
         self._loaded()
+        if self._source().index is not None:
+            return self._source().index.fingerprint  # type: ignore[union-attr]
         digest = hashlib.sha256()
         for rel, meta in self._source().shards:
             digest.update(f"{rel}\n{json.dumps(meta, sort_keys=True)}\n".encode())
@@ -190,7 +218,7 @@ class MmapStore(Store):
         """Pickles paths and metadata, never the mapped data: workers map the files themselves."""
         state = super().__getstate__()
         if state.get("_views") is not None:
-            state.update(_views=None, _starts=None, _record_starts=[], _values={})
+            state.update(_views=None, _starts={}, _record_starts=NO_STARTS, _values={})
             state["_view_starts"] = None
         return state
 
@@ -198,3 +226,28 @@ class MmapStore(Store):
         self.__dict__.update(state)
         if self.source is not None:
             self._map()
+
+
+class _IndexViews(Sequence):
+    """A store's views of an indexed dataset, each made when asked for from the index's
+    arrays: a store of 1e5 shards holds no object per shard."""
+
+    def __init__(
+        self,
+        source: ShardSource,
+        starts: dict[str, np.ndarray],
+        records: np.ndarray,
+        dtypes: dict[str, np.dtype],
+    ) -> None:
+        self.source, self.starts, self.records, self.dtypes = source, starts, records, dtypes
+
+    def __len__(self) -> int:
+        return len(self.records) - 1
+
+    def __getitem__(self, s: int) -> ShardView:  # type: ignore[override]
+        if not 0 <= s < len(self):
+            raise IndexError(f"view {s} out of range [0, {len(self)})")
+        sizes = {k: int(st[s + 1] - st[s]) for k, st in self.starts.items()}
+        records = int(self.records[s + 1] - self.records[s])
+        opener = partial(self.source.open, s)
+        return ShardView(self.source.name(s), records, sizes, self.dtypes, open=opener)

@@ -14,13 +14,15 @@ from tokenmill.training.datasets import BaseDataset
 
 
 class RecordDataset(BaseDataset):
-    """Record types: `len` is the record count; lengths come from offsets when the store has them."""
+    """Record types: `len` is the record count; a record's length comes from the offsets of
+    its shard when asked for (nothing is held per record), where the store has offsets."""
 
     length_keys: tuple[str, ...] = ()
 
     def __init__(self, store: Any, max_len: int = 2048) -> None:
         super().__init__(store, max_len)
         self._lengths: np.ndarray | None = None
+        self._spans: bool | None = None  # False: the store cannot measure a record unread
 
     def __len__(self) -> int:
         return int(self.store.num_rows)
@@ -43,9 +45,12 @@ class RecordDataset(BaseDataset):
 
     def sample_length(self, index: int) -> int:
         index = self._check_index(index)
-        lengths = self._all_lengths()
-        if lengths is not None:
-            return int(lengths[index])
+        if self._spans is not False and hasattr(self.store, "row_span"):
+            try:  # a lazy store has no offsets: lengths are known only once a record is processed
+                lengths = [self.store.row_span(index, k)[1] for k in self.length_keys]
+                return int(self._capped(np.asarray(lengths, dtype=np.int64)).sum())
+            except ValueError:
+                self._spans = False
         return self._measure(self[index])
 
     def _measure(self, item: dict[str, Any]) -> int:

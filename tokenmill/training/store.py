@@ -8,9 +8,7 @@ a store holds open of them between reads is open_views.py's.
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable, Sequence
-from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import numpy as np
 import torch
 
 from tokenmill.shards.format import Column, primary_key
-from tokenmill.training.open_views import OpenViews, ShardView
+from tokenmill.training.open_views import OpenViews, ShardView, view_at
 
 Transform = Callable[[dict], dict]
 
@@ -60,10 +58,10 @@ class Store(OpenViews):
             raise ValueError("stride needs window_size")
         self.window_size = window_size
         self.stride = stride or window_size
-        self._starts: dict[str, list[int]] = {}
-        self._record_starts: list[int] = []
+        self._starts: dict[str, np.ndarray] = {}
+        self._record_starts: np.ndarray = NO_STARTS
         self._values: dict[str, _KeyValues] = {}  # key -> each view's values
-        self._shared_starts: list[int] = []  # the primary key's view starts
+        self._shared_starts: np.ndarray = NO_STARTS  # the primary key's view starts
         self._stream_keys: set[str] = set()  # the keys whose views start where the primary's do
         self._num_windows = 0
         self._hold(None)
@@ -78,8 +76,9 @@ class Store(OpenViews):
         raise NotImplementedError
 
     # --- layout --------------------------------------------------------------------------
-    def _set_views(self, views: list[ShardView]) -> None:
-        """Checks every view has the first one's keys and dtypes; builds cumulative starts."""
+    def _set_views(self, views: list[ShardView], files_per_view: int = 0) -> None:
+        """Views all in hand (JSONL, a dataset without index): checks every view has the first
+        one's keys and dtypes; builds cumulative starts."""
         first = views[0].dtypes
         for view in views[1:]:
             if view.dtypes.keys() != first.keys():
@@ -91,13 +90,31 @@ class Store(OpenViews):
                     raise ValueError(
                         f"{view.name}: key {key!r} is {dtype}, {views[0].name} has {first[key]}"
                     )
-        self._keys = list(first)
-        self._starts = {k: cumulative([s.sizes[k] for s in views]) for k in self._keys}
-        self._record_starts = cumulative([s.records for s in views])
+        starts = {k: cumulative([s.sizes[k] for s in views]) for k in first}
+        records = cumulative([s.records for s in views])
+        self._set_layout(starts, records, first, views, files_per_view)
+
+    def _set_layout(
+        self,
+        starts: dict[str, np.ndarray],
+        record_starts: np.ndarray,
+        dtypes: dict[str, np.dtype],
+        views: Sequence[ShardView],
+        files_per_view: int = 0,
+        stream_keys: list[str] | None = None,
+    ) -> None:
+        """The store's layout: each key's and the records' cumulative view starts (arrays: a
+        dataset's index maps them, so they cost no heap per shard), the keys' dtypes, the
+        views (made on demand where the store has many), the files a view holds open and
+        the stream keys (where an index names them: no start is read at load)."""
+        self._keys, self._dtypes = list(dtypes), dtypes
+        self._starts, self._record_starts = starts, record_starts
         self._values = {k: _KeyValues(self, k) for k in self._keys}
         self._shared_starts = self._starts[primary_key(self._keys)]
-        self._stream_keys = {k for k, st in self._starts.items() if st == self._shared_starts}
-        self._hold(views)
+        if stream_keys is None:  # the keys whose views start where the primary's do
+            stream_keys = [k for k, st in starts.items() if np.array_equal(st, self._shared_starts)]
+        self._stream_keys = set(stream_keys)
+        self._hold(views, files_per_view)
         if self.window_size is not None:  # fixed at load: window_at runs once per item
             self._num_windows = window_count(
                 self.token_count, self.window_size, self.stride or self.window_size
@@ -127,7 +144,7 @@ class Store(OpenViews):
     def token_count(self) -> int:
         """Elements of the primary stream key (`sequence`, else the first key)."""
         self._loaded()
-        return int(self._starts[primary_key(self._keys)][-1])
+        return int(self._shared_starts[-1])
 
     @property
     def num_rows(self) -> int:
@@ -187,11 +204,11 @@ class Store(OpenViews):
         _, start, stop, values = self._hot
         if start <= begin <= end <= stop:  # inside the view read last
             return values, begin - start
-        starts = self._shared_starts  # [] before load: _loaded() below then raises
-        s = bisect_right(starts, begin) - 1
+        starts = self._shared_starts  # empty before load: _loaded() below then raises
+        s = view_at(starts, begin)
         self._loaded()
         if 0 <= begin <= end and s + 1 < len(starts) and end <= starts[s + 1]:
-            return self._heat(s)[3], begin - starts[s]
+            return self._heat(s)[3], begin - int(starts[s])
         return None
 
     def fetch_windows(
@@ -199,7 +216,8 @@ class Store(OpenViews):
     ) -> dict[str, np.ndarray]:
         """[len(begins), length] of each key's stream, row j from begins[j]: a batch of windows
         read into one array per key (a slice copy per row), with no item per window."""
-        dtypes = self._loaded()[0].dtypes
+        self._loaded()
+        dtypes = self._dtypes
         out = {k: np.empty((len(begins), length), dtype=dtypes[self._key(k)]) for k in keys}
         for j, begin in enumerate(np.asarray(begins, dtype=np.int64).tolist()):
             inside = self._one_view(begin, begin + length, keys)
@@ -219,22 +237,22 @@ class Store(OpenViews):
         starts = self._shared_starts
         if not self._stream_keys.issuperset(keys):
             return None
-        s = bisect_right(starts, begin) - 1
+        s = view_at(starts, begin)
         if 0 <= begin <= end and s + 1 < len(starts) and end <= starts[s + 1]:
-            return s, begin - starts[s], end - starts[s]
+            return s, begin - int(starts[s]), end - int(starts[s])
         return None
 
     def gather(self, key: str, indices: np.ndarray) -> np.ndarray:
         """A key's stream values at these positions, read view by view: index-time checks
         (rows and documents at load) touch those values only, not the whole stream."""
         self._loaded()
-        starts = np.asarray(self._starts[self._key(key)], dtype=np.int64)
+        starts = self._starts[self._key(key)]
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and not (0 <= indices.min() and indices.max() < starts[-1]):
             raise IndexError(f"gather of key {key!r} outside [0, {starts[-1]})")
         view = np.searchsorted(starts, indices, side="right") - 1
-        out = np.empty(len(indices), dtype=self._loaded()[0].dtypes[key])
-        for s in np.unique(view):
+        out = np.empty(len(indices), dtype=self._dtypes[key])
+        for s in np.unique(view).tolist():
             at = view == s
             out[at] = self._values[key][s][indices[at] - starts[s]]
         return out
@@ -257,13 +275,13 @@ class Store(OpenViews):
         starts = self._starts[key]
         if not 0 <= begin <= end <= starts[-1]:
             raise IndexError(f"fetch [{begin}, {end}) of key {key!r} outside [0, {starts[-1]})")
-        s = min(bisect_right(starts, begin) - 1, len(starts) - 2)
+        s = min(view_at(starts, begin), len(starts) - 2)
         if end <= starts[s + 1]:  # inside one view: one slice
             return self._columns(s)[key].values[begin - starts[s] : end - starts[s]]
         values = self._values[key]
         pieces, pos = [], begin
         while pos < end:
-            stop = min(end, starts[s + 1])
+            stop = min(end, int(starts[s + 1]))
             pieces.append(values[s][pos - starts[s] : stop - starts[s]])
             pos, s = stop, s + 1
         return np.concatenate(pieces)
@@ -273,7 +291,7 @@ class Store(OpenViews):
         """Row i: a tensor per plain key, a list of tensors per list key."""
         if not isinstance(keys, str):
             return {key: self.fetch_row(i, key) for key in keys}
-        s = bisect_right(self._record_starts, i) - 1
+        s = view_at(self._record_starts, i)
         # a plain key of a view read before: near the raw read's cost (records are small, many)
         found = self._records.get((s, keys))  # none past the ends: _value raises
         if found is None:
@@ -288,7 +306,7 @@ class Store(OpenViews):
         """Record i's array of `key` (a list of arrays for a list key), by bisection; a plain
         key's maps are kept for fetch_row while the view stays open."""
         starts = self._record_starts
-        s = bisect_right(starts, i) - 1
+        s = view_at(starts, i)
         if i < 0 or s + 1 >= len(starts):
             raise IndexError(f"row {i} out of range [0, {self.num_rows})")
         col = self._columns(s).get(key)
@@ -298,13 +316,62 @@ class Store(OpenViews):
                 f"{self._loaded()[s].name}: key {key!r} has no row offsets, so it reads "
                 "only as a stream (fetch)"
             )
+        first = int(starts[s])
         if col.items is None and self._held(s):  # kept while the view stays open
-            self._records[s, key] = (starts[s], col.offsets, col.values)
-        begin, end = col.offsets[i - starts[s]], col.offsets[i - starts[s] + 1]
+            self._records[s, key] = (first, col.offsets, col.values)
+        begin, end = col.offsets[i - first], col.offsets[i - first + 1]
         if col.items is None:
             return col.values[begin:end]
         items = col.items[begin : end + 1].tolist()
         return [col.values[items[j] : items[j + 1]] for j in range(end - begin)]
+
+    def row_span(self, i: int, key: str) -> tuple[int, int]:
+        """(start in `key`'s stream, elements) of row i (all items of a list key), from the
+        offsets of the one view holding it: what a lazily measured row costs."""
+        self._loaded()
+        starts = self._record_starts
+        s = view_at(starts, i)
+        if i < 0 or s + 1 >= len(starts):
+            raise IndexError(f"row {i} out of range [0, {self.num_rows})")
+        col = self._key_bounds(s, self._key(key))
+        if col.offsets is None:
+            raise ValueError(f"{self._loaded()[s].name}: key {key!r} has no row offsets")
+        j = i - int(starts[s])
+        begin, end = int(col.offsets[j]), int(col.offsets[j + 1])
+        if col.items is not None:
+            begin, end = int(col.items[begin]), int(col.items[end])
+        return int(self._starts[key][s]) + begin, end - begin
+
+    def row_spans(self, rows: np.ndarray, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """`row_span` of many rows at once, each view's offsets read once."""
+        self._loaded()
+        rows = np.asarray(rows, dtype=np.int64)
+        starts = self._record_starts
+        if len(rows) and not (0 <= rows.min() and rows.max() < starts[-1]):
+            raise IndexError(f"a row of {rows.tolist()[:8]} is out of range [0, {starts[-1]})")
+        views = np.searchsorted(starts, rows, side="right") - 1
+        begin, length = np.empty(len(rows), np.int64), np.empty(len(rows), np.int64)
+        for s in np.unique(views).tolist():
+            at = views == s
+            col = self._key_bounds(s, self._key(key))
+            if col.offsets is None:
+                raise ValueError(f"{self._loaded()[s].name}: key {key!r} has no row offsets")
+            j = rows[at] - starts[s]
+            lo, hi = col.offsets[j], col.offsets[j + 1]
+            if col.items is not None:
+                lo, hi = col.items[lo], col.items[hi]
+            begin[at], length[at] = self._starts[key][s] + lo, hi - lo
+        return begin, length
+
+    def longest_row(self, key: str) -> int | None:
+        """The most elements of `key` in one row, where the store knows it without reading
+        every row (a dataset's index records it); None where it does not."""
+        return None
+
+    def rows_inside_documents(self) -> int | None:
+        """Rows that start inside a document, where the store knows it without reading them
+        (recorded at preprocessing, in the index); None where it does not."""
+        return None
 
     def row_lengths(self, key: str) -> np.ndarray:
         """Elements of `key` in each row (all items of a list key), from offsets alone."""
@@ -340,9 +407,12 @@ class Store(OpenViews):
         return self.window_at(i)
 
 
-def cumulative(lengths: list[int]) -> list[int]:
-    """Start of each view and the total: bisect on this finds a position's view (O(shards))."""
-    return [0, *accumulate(int(n) for n in lengths)]
+NO_STARTS = np.zeros(1, dtype=np.int64)  # a store's starts before load: no view
+
+
+def cumulative(lengths: Sequence[int]) -> np.ndarray:
+    """Start of each view and the total (`view_at` finds a position's view in it)."""
+    return np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int64)
 
 
 def as_tensors(value: Any) -> Any:

@@ -43,6 +43,7 @@ from tokenmill.preprocess.run.task_output import OutputSpec, read_task_records
 from tokenmill.preprocess.run.upload import BucketOutput
 from tokenmill.shards.files import fsync_dir
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, natural_key
+from tokenmill.shards.index import write_indexes
 from tokenmill.shards.manifest import read_manifest, write_manifest
 from tokenmill.storage.location import output_location
 from tokenmill.storage.remote import Remote
@@ -150,7 +151,7 @@ class Pipeline:
         )
         try:
             with self._engine.session():
-                summary, domains = self._merge(plans, spec)
+                summary, domains, index = self._merge(plans, spec)
         except BaseException as err:
             if isinstance(err, RecordError):  # bad input: remove everything, nothing looks complete
                 self._remove_output()
@@ -163,6 +164,8 @@ class Pipeline:
         if unbalanced:  # a defect in tokenmill, never in the data: no manifest, nothing complete
             raise RuntimeError(f"{self.output_dir}: the ledger does not balance: {unbalanced}")
         summary.seconds = time.perf_counter() - start
+        if index:  # the dataset's index, before the manifest (a bucket's: uploaded before it)
+            write_indexes(self._out, index)
         rejects = self._out / RUN_DIR / "rejects.jsonl"
         if rejects.exists():
             os.replace(rejects, self._out / "rejects.jsonl")
@@ -177,14 +180,14 @@ class Pipeline:
 
     def _merge(
         self, plans: list[TaskPlan], spec: OutputSpec
-    ) -> tuple[Summary, dict[str, list[dict]]]:
+    ) -> tuple[Summary, dict[str, list[dict]], dict[str, list[dict]]]:
         """The tasks' records in task order (those of an interrupted run's tasks read back,
-        the others as the engine does them) into the summary, the rejects and each domain's
-        shard entries."""
+        the others as the engine does them) into the summary, the rejects, each domain's
+        shard entries and what the index needs of each shard."""
         done = read_task_records(spec.out, spec.remote)
         todo = [plan for plan in plans if plan.index not in done]
         staging = self.bucket.local if self.bucket is not None else None
-        summary, domains = Summary(), dict[str, list[dict]]()
+        summary, domains, index = Summary(), dict[str, list[dict]](), dict[str, list[dict]]()
         bar = _progress_bar(self.progress)
         rejects: IO[bytes] | None = None
         results = self._engine.run_tasks(todo, self.config, self.tokenizer_path, spec, staging)
@@ -201,6 +204,8 @@ class Pipeline:
                     rejects.write(reject_line(err))
                 for domain, infos in record["shards"].items():
                     domains.setdefault(domain, []).extend(infos)
+                for domain, facts in record["index"].items():
+                    index.setdefault(domain, []).extend(facts)
                 if bar is not None:
                     bar.update(record["counts"]["records_read"])
                     rate = summary.tokens / max(bar.format_dict["elapsed"], 1e-9)
@@ -214,7 +219,8 @@ class Pipeline:
                 rejects.close()
             if bar is not None:
                 bar.close()
-        return summary, {d: infos for d, infos in domains.items() if infos}
+        index = {d: facts for d, facts in index.items() if facts}
+        return summary, {d: infos for d, infos in domains.items() if infos}, index
 
     # --- output folder -----------------------------------------------------------------------
     def _run_id(self, tokenizer_fp: str, inputs: list[list]) -> str:

@@ -3,8 +3,9 @@
 Whoever runs a task (the local engine's writing thread, or a Ray task on any node) writes
 its shards into the output itself (`shard_TTTTT_III` in each domain folder; to a bucket:
 staged in a temp folder, then uploaded, meta.json last), then its record,
-`.tokenmill-run/tasks/TTTTT.json`: its counts, its bad records and its shards' manifest
-entries. The record is the task's commit point: a task without one is done again from the
+`.tokenmill-run/tasks/TTTTT.json`: its counts, its bad records, its shards' manifest
+entries and what the dataset's index needs of them (`shards/index.py`: read here, where the
+shards are, so the driver never reads a shard). The record is the task's commit point: a task without one is done again from the
 start, its own shard names rewritten (a retried task writes the same bytes); the driver only
 orders the records into the manifest, the summary and `rejects.jsonl`.
 """
@@ -25,6 +26,7 @@ from tokenmill.preprocess.engines.tasks import TaskPlan
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.shards.files import write_atomic
 from tokenmill.shards.format import RUN_DIR, shard_name
+from tokenmill.shards.index import shard_facts
 from tokenmill.shards.writer import ShardSpec, ShardWriter
 from tokenmill.storage.remote import Remote
 
@@ -117,6 +119,12 @@ class TaskWriter:
         """Publishes the task's last shards (uploads them, to a bucket), then its record; returns
         the record."""
         shards = {domain: writer.close() for domain, writer in sorted(self.writers.items())}
+        index = {}  # what the dataset's index needs of each shard, read here where it lies
+        if self.spec.storage_format == "bin":
+            index = {
+                domain: [shard_facts(self._local(domain, info["name"])) for info in infos]
+                for domain, infos in shards.items()
+            }
         record = {
             "task": self.task,
             "counts": {
@@ -125,6 +133,7 @@ class TaskWriter:
             },
             "errors": self.errors,
             "shards": shards,
+            "index": index,
         }
         data = orjson.dumps(record)
         remote = self.spec.remote
@@ -135,7 +144,7 @@ class TaskWriter:
         try:
             for domain, infos in shards.items():
                 for info in infos:
-                    local = (self.root / domain if domain else self.root) / info["name"]
+                    local = self._local(domain, info["name"])
                     remote.upload_shard(local, "/".join(p for p in (domain, info["name"]) if p))
                     shutil.rmtree(local) if local.is_dir() else local.unlink()
             remote.pipe(record_name(self.task), data)
@@ -143,6 +152,9 @@ class TaskWriter:
             if self._own_staging:
                 shutil.rmtree(self.root, ignore_errors=True)
         return record
+
+    def _local(self, domain: str, name: str) -> Path:
+        return (self.root / domain if domain else self.root) / name
 
     def abort(self) -> None:
         for writer in self.writers.values():

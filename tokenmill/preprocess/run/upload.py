@@ -24,6 +24,7 @@ import xxhash
 
 from tokenmill.preprocess.run.runlog import RunFolder, Summary
 from tokenmill.shards.format import RUN_DIR
+from tokenmill.shards.index import INDEX_NAME
 from tokenmill.shards.manifest import parse_manifest
 from tokenmill.storage.bucket_lock import LOCK, BucketLock
 from tokenmill.storage.remote import Remote
@@ -135,9 +136,11 @@ class BucketOutput:
 
     # --- after the run -------------------------------------------------------------------
     def commit(self) -> None:
-        """Once the manifest is written in staging: the last uploads, rejects.jsonl, then
-        manifest.json (the commit point), then the run folder removed, here and there."""
+        """Once the manifest is written in staging: the dataset's index files, rejects.jsonl,
+        then manifest.json (the commit point), then the run folder removed, here and there."""
         self.lock.check(server=True)  # a run whose lock another took over never commits
+        indexes = sorted(self.local.glob(f"**/{INDEX_NAME}"))
+        self.remote.put([(p, p.relative_to(self.local).as_posix()) for p in indexes])
         if (self.local / "rejects.jsonl").exists():
             self.remote.put([(self.local / "rejects.jsonl", "rejects.jsonl")])
         self.remote.put([(self.local / "manifest.json", "manifest.json")])
