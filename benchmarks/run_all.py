@@ -30,17 +30,21 @@ SCRIPTS = (
     "bench_preprocess",
     "bench_store",
     "bench_packing",
+    "bench_shuffle",
     "bench_loader",
     "bench_memory",
     "bench_run_memory",
     "bench_ray",
+    "bench_scale",
     "bench_remote",
+    "bench_open",
 )
 # Keyword arguments of each main() for --quick; a script whose main() takes `quick` gets quick=True.
 QUICK = {
     "bench_preprocess": {"tokens": 1_000_000, "repeats": 1},
     "bench_packing": {"repeats": 1},
     "bench_ray": {"copies": 1, "repeats": 1},
+    "bench_scale": {"records": (100_000,), "repeats": 1, "copies": 5},
     "bench_run_memory": {"input_mb": 30},
 }
 

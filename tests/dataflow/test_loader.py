@@ -145,12 +145,20 @@ def test_a_state_from_another_setup_is_refused_by_name():
         DataflowLoader(MapDistributor(ToyDataset("seq", 21), seed=9), batch_size=4).load_state_dict(
             state
         )
-    packed = loader("sft", True, dp_rank=1, dp_world_size=2)
+    # packing that reads every item to size it (a processor that changes items) plans the
+    # rank's own stream: its state is that rank's of that world size
+    truncate = TruncateProcessor(10**6)
+    packed = loader("sft", True, dp_rank=1, dp_world_size=2, processor=truncate)
     next(iter(packed))
     with pytest.raises(ValueError, match="dp_world_size: saved 2, now 1"):
-        loader("sft", True).load_state_dict(packed.state_dict())
+        loader("sft", True, processor=truncate).load_state_dict(packed.state_dict())
     with pytest.raises(ValueError, match="dp_rank: saved 1, now 0"):
-        loader("sft", True, dp_rank=0, dp_world_size=2).load_state_dict(packed.state_dict())
+        loader("sft", True, dp_rank=0, dp_world_size=2, processor=truncate).load_state_dict(
+            packed.state_dict()
+        )
+    # such a state does not load where packing plans on the global order (stored lengths)
+    with pytest.raises(ValueError, match="dp_rank: saved 1 of 2 ranks, each packing its own"):
+        loader("sft", True, dp_rank=0, dp_world_size=3).load_state_dict(packed.state_dict())
 
 
 def test_a_distributor_without_state_cannot_resume_midway():

@@ -22,12 +22,17 @@ from tokenmill.shards.schema import trained_tokens
 from tokenmill.training.order_prefetch import order_prefetch
 from tokenmill.training.state import (
     STATE_VERSION,
+    ShardLayout,
+    adopt_groups,
+    check_shuffle,
     check_state,
     data_fingerprint,
     epoch_end,
     order_blocks,
+    order_layout,
     order_setup,
     order_state,
+    shard_bounds,
     worker_of,
 )
 from tokenmill.training.windows import WindowBatch
@@ -83,6 +88,13 @@ class DataDistributor(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore resume state. No-op default; resumable distributors override."""
+        return None
+
+    def set_coordinates(self, dp_rank: int, dp_world_size: int) -> None:
+        """Hook: the loader's data-parallel coordinates, given when it is made and after each
+        `load_state_dict`: a distributor fixes here what the first run's world size decides,
+        and refuses here, by name, a loaded state this rank cannot continue, not at the first
+        batch inside a worker. Default: nothing."""
         return None
 
     def share_reads(self, worker_id: int, num_workers: int, block: int) -> None:
@@ -195,37 +207,50 @@ class MapDistributor(_IndexedDistributor):
     epochs, or indefinitely; `drop_last` as in `RDSampler`. The dataset may fetch items
     ahead of the order (`training.order_prefetch.OrderPrefetch`, for the indices this worker
     reads: `share_reads`). Windowed and sized as its dataset is (contracts.py), while `fetch`
-    is this class's."""
+    is this class's. `shuffle="shards"`, `canonical_groups` and `shard_window`: the
+    shard-aware order, as in `RDSampler` (the group count defaults to the world size of the
+    first run: the loader's, else the first `indices` call's)."""
 
     def __init__(
         self,
         dataset: Any,
         seed: int = 42,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
         drop_last: bool = False,
         num_epochs: int | None = None,
+        *,
+        canonical_groups: int | None = None,
+        shard_window: int = 4,
     ) -> None:
         if len(dataset) == 0:
             raise ValueError("MapDistributor needs a non-empty dataset")
+        check_shuffle("MapDistributor", shuffle, canonical_groups, shard_window)
         self.dataset = dataset
         self.seed, self.shuffle = seed, shuffle
         self.drop_last, self.num_epochs = drop_last, num_epochs
         self.fingerprint = data_fingerprint(dataset)
         self.epoch, self.consumed = 0, 0
         self.reads: tuple[int, int, int] | None = None  # a loader worker's: see share_reads
+        self.groups_given = canonical_groups is not None
+        self.canonical_groups, self.shard_window = canonical_groups, shard_window
+        self.bounds = shard_bounds(dataset) if shuffle == "shards" else None  # refused here
+        self._layout: ShardLayout | None = None
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[int]:
         _check_coordinates(dp_rank, dp_world_size)
         n = len(self.dataset)
         if self.drop_last and n < dp_world_size:
             raise ValueError(f"drop_last with {n} items and {dp_world_size} ranks leaves no items")
-        prefetch = order_prefetch(self.dataset, self.seed, self.shuffle, self.reads)
+        self.set_coordinates(dp_rank, dp_world_size)
+        layout = order_layout(self)
+        prefetch = order_prefetch(self.dataset, self.seed, self.shuffle, self.reads, layout)
         while self.num_epochs is None or self.epoch < self.num_epochs:
             epoch, start = self.epoch, self.consumed
             end = epoch_end(n, start, dp_world_size, self.drop_last)
             order = order_blocks(
-                start + dp_rank, end, dp_world_size, n, self.seed, epoch, self.shuffle
-            )
+                start + dp_rank, end, dp_world_size, n, self.seed, epoch, self.shuffle,
+                layout=layout,
+            )  # fmt: skip
             for position, index in zip(range(start + dp_rank, end, dp_world_size), order):
                 if prefetch is not None:  # the dataset fetches what the order reads next
                     prefetch(position, end, dp_world_size, epoch)
@@ -236,6 +261,12 @@ class MapDistributor(_IndexedDistributor):
 
     def fetch(self, index: int) -> Any:
         return self.dataset[index]
+
+    def set_coordinates(self, dp_rank: int, dp_world_size: int) -> None:
+        """The shard-aware order's canonical group count, when not given nor loaded, is the
+        world size of the run that starts it."""
+        if self.shuffle == "shards" and self.canonical_groups is None:
+            self.canonical_groups = dp_world_size
 
     def share_reads(self, worker_id: int, num_workers: int, block: int) -> None:
         """The dataset fetches ahead only what this worker reads (`order_prefetch`)."""
@@ -274,6 +305,7 @@ class MapDistributor(_IndexedDistributor):
         return order_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        adopt_groups(self, state)
         check_state("MapDistributor", state, self._setup())
         if not 0 <= state["consumed"] <= len(self.dataset):
             raise ValueError(f"MapDistributor: consumed {state['consumed']} is outside the dataset")
@@ -372,7 +404,9 @@ class RankPartitionedDistributor(_IndexedDistributor):
             first += count
         raise AssertionError("unreachable: rank_split covers every rank")
 
-    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple[int, Any]]:
+    def set_coordinates(self, dp_rank: int, dp_world_size: int) -> None:
+        """A loaded state resumes on the same source under the same world size only: refused
+        here otherwise, naming both."""
         source, sub_rank, sub_world = self.assignment(dp_rank, dp_world_size)
         saved, now = [self.dp_world_size, self.source], [dp_world_size, source]
         if saved != [None, None] and saved != now:
@@ -380,6 +414,11 @@ class RankPartitionedDistributor(_IndexedDistributor):
                 f"RankPartitionedDistributor cannot resume on rank {dp_rank}: "
                 f"[dp_world_size, source]: saved {saved}, now {now}"
             )
+        self.sources[source].set_coordinates(sub_rank, sub_world)
+
+    def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple[int, Any]]:
+        self.set_coordinates(dp_rank, dp_world_size)
+        source, sub_rank, sub_world = self.assignment(dp_rank, dp_world_size)
         self.dp_world_size, self.source = dp_world_size, source
         for index in self.sources[source].indices(sub_rank, sub_world):
             yield source, index
@@ -458,19 +497,23 @@ class MixtureDistributor(_IndexedDistributor):
         self.largest = 1  # the largest sample so far, in the unit of `counts`
         self.coordinates: list[int] | None = None  # the rank token counts belong to
 
-    def _check_rank(self, dp_rank: int, dp_world_size: int) -> None:
+    def set_coordinates(self, dp_rank: int, dp_world_size: int) -> None:
+        """By tokens, the counts are one rank's own: a state resumes on that rank of that
+        world size only, refused here otherwise, naming both. The sources are told too."""
         _check_coordinates(dp_rank, dp_world_size)
-        if self.by == "tokens":
-            now = [dp_rank, dp_world_size]
-            if self.coordinates is not None and self.coordinates != now:
-                raise ValueError(
-                    "MixtureDistributor(by='tokens') cannot resume: [dp_rank, dp_world_size]: "
-                    f"saved {self.coordinates}, now {now}"
-                )
-            self.coordinates = now
+        now = [dp_rank, dp_world_size]
+        if self.by == "tokens" and self.coordinates is not None and self.coordinates != now:
+            raise ValueError(
+                "MixtureDistributor(by='tokens') cannot resume: [dp_rank, dp_world_size]: "
+                f"saved {self.coordinates}, now {now}"
+            )
+        for source in self.sources:
+            source.set_coordinates(dp_rank, dp_world_size)
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple]:
-        self._check_rank(dp_rank, dp_world_size)
+        self.set_coordinates(dp_rank, dp_world_size)
+        if self.by == "tokens":
+            self.coordinates = [dp_rank, dp_world_size]
         streams = [source.indices(dp_rank, dp_world_size) for source in self.sources]
         end = object()
         while True:

@@ -27,7 +27,7 @@ from tokenmill.dataflow.collators import BatchCollator
 from tokenmill.dataflow.distributors import DataDistributor
 from tokenmill.dataflow.fitting import fitting_collator
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
-from tokenmill.dataflow.roles import check_roles, collate_windows, run_roles
+from tokenmill.dataflow.roles import check_roles, collate_windows, read_path, run_roles
 from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
 from tokenmill.training.windows import WindowBatch, piped
 
@@ -176,8 +176,10 @@ class DataflowLoader:
     coordinates come from `dp_rank`/`dp_world_size`, else torch.distributed. `state_dict()`
     counts batches the training loop received, not what workers prefetched; a state saved
     under a setup that cannot continue exactly is refused with the field and both values.
-    Fixed-size groups resume under another world size; packing batchers resume on the same
-    rank of the same world size. `timeout` (seconds, num_workers > 0) bounds a stuck worker.
+    Fixed-size groups resume under another world size, and so does packing planned from the
+    dataset's stored lengths (on the global order, groups dealt to ranks round robin); packing
+    that reads every item to size it resumes on the same rank of the same world size, and
+    another is refused at `load_state_dict`. `timeout` (seconds, num_workers > 0) bounds a stuck worker.
     `num_threads=N` (instead of workers) reads ahead in N threads of this process: for
     memory-mapped data, where a read costs less than handing a batch across processes.
     `lookahead=N`: the consumer takes N batches ahead of the one it trains (Lightning's
@@ -235,6 +237,9 @@ class DataflowLoader:
         self.dp_rank, self.dp_world_size = data_parallel_coordinates(
             self.options.dp_rank, self.options.dp_world_size
         )
+        self.distributor.set_coordinates(self.dp_rank, self.dp_world_size)
+        # packing planned from stored lengths: on the global order, the same under any world size
+        self.global_plan = read_path(distributor, self.processor, batcher).startswith("planned")
         self.num_workers = self.options.num_workers
         self.prefetch_factor = self.options.prefetch_factor
         self.timeout = self.options.timeout
@@ -312,10 +317,16 @@ class DataflowLoader:
         return self._position
 
     def _setup(self) -> dict[str, Any]:
-        """Fields a packing state must match: its positions belong to one rank of one world."""
-        if self.batcher.group_size:
+        """Fields a state of a per-rank packing plan must match: its positions belong to one
+        rank of one world size (fixed groups and the global plan belong to none)."""
+        if self.batcher.group_size or self.global_plan:
             return {}
         return {"dp_world_size": self.dp_world_size, "dp_rank": self.dp_rank}
+
+    def _any_rank(self) -> bool:
+        """A state of this loader is any rank's: fixed groups, or the global plan of several
+        ranks (of one rank, the global plan is the rank's own: its states say dp_rank 0)."""
+        return bool(self.batcher.group_size) or (self.global_plan and self.dp_world_size > 1)
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch trained: the last handed out, or with `lookahead`
@@ -341,7 +352,7 @@ class DataflowLoader:
         return {
             "version": STATE_VERSION,
             "dp_world_size": self.dp_world_size,
-            "dp_rank": None if self.batcher.group_size else self.dp_rank,  # None: any rank's state
+            "dp_rank": None if self._any_rank() else self.dp_rank,  # None: any rank's state
             "consumed_batches": consumed,
             "position": position,
         }
@@ -356,12 +367,20 @@ class DataflowLoader:
                 )
             state = state[key]
         check_state("DataflowLoader", state, self._setup())
+        saved_rank, saved_world = state.get("dp_rank"), state.get("dp_world_size")
+        if self.global_plan and saved_rank is not None and saved_world != 1:
+            raise ValueError(
+                f"DataflowLoader cannot resume: dp_rank: saved {saved_rank} of {saved_world} "
+                "ranks, each packing its own stream; this loader packs on the global order "
+                "(stored lengths), whose states are any rank's (dp_rank None)"
+            )
         if not state["position"]["distributor"] and state["consumed_batches"]:
             raise ValueError(
                 f"DataflowLoader cannot resume at batch {state['consumed_batches']}: "
                 f"{type(self.distributor).__name__} keeps no position (its state_dict() is empty)"
             )
         self.distributor.load_state_dict(state["position"]["distributor"])
+        self.distributor.set_coordinates(self.dp_rank, self.dp_world_size)  # may refuse it
         self.batcher.load_state_dict(state["position"]["batcher"])
         self._position = state["position"]
         self.consumed_batches = int(state["consumed_batches"])

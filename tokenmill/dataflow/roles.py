@@ -5,8 +5,10 @@ them; worker w yields groups w, w + N, ... (DataflowLoader, loader.py, runs the 
 a fixed group size a worker reads only its own groups' items, and a group of windows of one
 length is read at once (`WindowBatch`). A packing group depends on the sizes of every sample
 before it, so each worker plans every group: from the dataset's stored lengths where it has
-them (reading only its own groups' items), else by reading the whole stream and collating only
-its own groups (see benchmarks/bench_loader.py).
+them, on the global order (world size 1), dealing groups to ranks round robin and reading only
+its own groups' items, so the plan and its states are the same under any world size; else by
+reading the rank's whole stream and collating only its own groups, a plan (and state) of one
+rank of one world size (see benchmarks/bench_loader.py).
 
 Which of these paths a worker takes (`read_path`) follows only what the roles declare: the
 hooks of their base classes (DataDistributor.windowed and .sized, RawItemProcessor.changes_items,
@@ -119,14 +121,17 @@ def run_roles(
     """Yield (batch, position, counters) for this worker's groups of the rank's sequence.
 
     With a fixed group size the worker reads only its own groups' indices; otherwise (packing)
-    every worker plans the rank's whole sequence (from stored lengths, or by reading it) and
-    reads and collates only its own groups. Groups of windows are yielded as read (WindowBatch),
-    for the training side to collate. `position` is the distributor state before the batcher's
-    pending samples plus the batcher state: loading both continues right after this batch."""
+    every worker plans the whole sequence (from stored lengths: the global one, group g to rank
+    g % dp_world_size; else by reading the rank's) and reads and collates only its own groups.
+    Groups of windows are yielded as read (WindowBatch), for the training side to collate.
+    `position` is the distributor state before the batcher's pending samples plus the batcher
+    state: loading both continues right after this batch (on the global plan: right after the
+    round of dp_world_size groups it ends, the same on every rank)."""
     block = batcher.group_size
     distributor.share_reads(worker_id, num_workers, block or 0)  # it may read ahead just those
     path = read_path(distributor, processor, batcher)
-    indices = distributor.indices(dp_rank, dp_world_size)
+    planned = path.startswith("planned")  # packing on stored lengths: on the global order
+    indices = distributor.indices(*((0, 1) if planned else (dp_rank, dp_world_size)))
     if block:
         indices = worker_share(indices, worker_id, num_workers, block)
     if path == "window groups":  # one read per group, handed over as int32 (WindowBatch)
@@ -157,8 +162,9 @@ def run_roles(
             yield index, size
 
     # packing on stored lengths: every worker plans every group, and reads only its own
-    planned = path.startswith("planned")
     groups = batcher.plan(sized()) if planned else batcher.batches(samples())
+    held: list[Any] | None = None  # the global plan: this worker's group of the current round
+    position = {"distributor": positions[0], "batcher": batcher.state_dict()}
     for index, group in enumerate(groups):
         batcher_state = batcher.state_dict()
         restart = pulled - batcher_state.get("pending", 0)
@@ -167,14 +173,32 @@ def run_roles(
         else:
             positions = {k: v for k, v in positions.items() if k >= restart}
         position = {"distributor": positions[restart], "batcher": batcher_state}
-        if block or index % num_workers == worker_id:
-            counters = batcher_counters(batcher)
-            if path == "planned windows":
-                yield window_batch(distributor, group), position, counters
-                continue
-            if planned:
-                group = [distributor.fetch(i) for i in group]
-            yield collator.collate(group), position, counters
+        if not planned:
+            if block or index % num_workers == worker_id:
+                yield collator.collate(group), position, batcher_counters(batcher)
+            continue
+        round_, rank = divmod(index, dp_world_size)
+        if rank == dp_rank and round_ % num_workers == worker_id:
+            held = group
+        if rank == dp_world_size - 1 and held is not None:  # the round is planned: its state
+            yield (
+                planned_batch(distributor, collator, path, held),
+                position,
+                batcher_counters(batcher),
+            )
+            held = None
+    if held is not None:  # the last round, short of some ranks
+        yield planned_batch(distributor, collator, path, held), position, batcher_counters(batcher)
+
+
+def planned_batch(
+    distributor: DataDistributor, collator: BatchCollator, path: str, group: list[Any]
+) -> Any:
+    """A group of indices planned from stored lengths, read: at once (planned windows), or item
+    by item and collated."""
+    if path == "planned windows":
+        return window_batch(distributor, group)
+    return collator.collate([distributor.fetch(i) for i in group])
 
 
 def plans_from_lengths(

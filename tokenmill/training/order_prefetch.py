@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.training.order import order_at, worker_of
+from tokenmill.training.order import ShardLayout, order_at, worker_of
 
 PREFETCH_POSITIONS = 128  # positions of the sample order whose shards are fetched ahead (0: off)
 PREFETCH_EVERY = 32  # positions read between two looks ahead
@@ -17,13 +17,18 @@ PREFETCH_SHARE = 0.5  # of the cache limit, for the shards looked ahead at (all 
 
 
 def order_prefetch(
-    dataset: Any, seed: int, shuffle: bool, share: tuple[int, int, int] | None = None
+    dataset: Any,
+    seed: int,
+    shuffle: bool | str,
+    share: tuple[int, int, int] | None = None,
+    layout: ShardLayout | None = None,
 ) -> OrderPrefetch | None:
     """What fetches a dataset's shards ahead of its sample order (`training.order.order_at`),
     or None where there is nothing to fetch (shards on local disk, prefetch=0). `share`:
     (worker, workers, block) when a loader worker reads blocks worker, worker + workers, ...
     of the indices (`dataflow.distributors.worker_share`): each fetches ahead what it reads;
-    block 0 (packing: every worker walks every index), worker 0 fetches ahead for all."""
+    block 0 (packing: every worker walks every index), worker 0 fetches ahead for all.
+    `layout`: the shards' layout of `shuffle="shards"` (order.py)."""
     store = getattr(dataset, "store", None)
     source = getattr(store, "source", None)  # storage.source.ShardSource
     if PREFETCH_POSITIONS <= 0 or source is None or not source.prefetches:
@@ -34,7 +39,7 @@ def order_prefetch(
         if share[0] != 0:
             return None
         share = None
-    return OrderPrefetch(dataset, seed, shuffle, share or (0, 1, 1))
+    return OrderPrefetch(dataset, seed, shuffle, share or (0, 1, 1), layout)
 
 
 def own_positions(positions: np.ndarray, given: int, share: tuple[int, int, int]) -> np.ndarray:
@@ -50,8 +55,16 @@ class OrderPrefetch:
     items' shards ahead (`MmapStore.prefetch_items`), within `PREFETCH_SHARE` of the cache's limit;
     once every shard is known cached and none can be evicted, a call costs nothing."""
 
-    def __init__(self, dataset: Any, seed: int, shuffle: bool, share: tuple[int, int, int]) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        seed: int,
+        shuffle: bool | str,
+        share: tuple[int, int, int],
+        layout: ShardLayout | None = None,
+    ) -> None:
         self.dataset, self.store, self.seed, self.shuffle = dataset, dataset.store, seed, shuffle
+        self.layout = layout
         self.share, self.calls = share, 0  # calls: the indices the distributor gave so far
         self.n = len(dataset)
         self.next, self.epoch = 0, -1
@@ -67,7 +80,7 @@ class OrderPrefetch:
             return
         positions = np.arange(position, min(end, position + PREFETCH_POSITIONS * step), step)
         positions = own_positions(positions, given, self.share)
-        indices = order_at(positions, self.n, self.seed, epoch, self.shuffle)
+        indices = order_at(positions, self.n, self.seed, epoch, self.shuffle, self.layout)
         ranges = self.dataset.item_ranges(indices)
         first, last = ranges if ranges is not None else (indices, None)
         stop = self.store.prefetch_items(first, last, PREFETCH_SHARE / self.share[1])  # per worker

@@ -21,7 +21,17 @@ from tokenmill.training.order import (
     order_blocks,
 )
 from tokenmill.training.order_prefetch import order_prefetch
-from tokenmill.training.state import check_state, data_fingerprint, order_setup, order_state
+from tokenmill.training.state import (
+    ShardLayout,
+    adopt_groups,
+    check_shuffle,
+    check_state,
+    data_fingerprint,
+    order_layout,
+    order_setup,
+    order_state,
+    shard_bounds,
+)
 
 
 class RDSampler(Sampler[int]):
@@ -32,7 +42,13 @@ class RDSampler(Sampler[int]):
     what the training loop consumed (not what DataLoader workers prefetched); or use it in
     torchdata's StatefulDataLoader, which checkpoints its iterator. `start_iter` is the number
     of samples of `start_epoch` already consumed, counted over all ranks. Call
-    `set_epoch(e)` at the start of each epoch, as with torch's DistributedSampler."""
+    `set_epoch(e)` at the start of each epoch, as with torch's DistributedSampler.
+
+    `shuffle="shards"`: the shard-aware order (training.order.shard_order_at), for data read
+    from a bucket through a cache smaller than it: `canonical_groups` (default: this world
+    size; a resume takes the saved one) streams of shards, each read a window of
+    `shard_window` shards at a time. Rank r then reads only streams r, r + world_size, ...
+    where the world size divides `canonical_groups`."""
 
     def __init__(
         self,
@@ -41,11 +57,13 @@ class RDSampler(Sampler[int]):
         start_iter: int = 0,
         seed: int = 42,
         drop_last: bool = False,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
         process_group: Any = None,
         *,
         rank: int | None = None,
         world_size: int | None = None,
+        canonical_groups: int | None = None,
+        shard_window: int = 4,
     ) -> None:
         self.num_items = len(dataset)
         self.dataset = dataset  # in a bucket: its shards are fetched ahead of the order
@@ -56,6 +74,13 @@ class RDSampler(Sampler[int]):
             raise ValueError("RDSampler needs a non-empty dataset")
         if start_epoch < 0:
             raise ValueError(f"start_epoch must be >= 0, got {start_epoch}")
+        check_shuffle("RDSampler", shuffle, canonical_groups, shard_window)
+        self.groups_given = canonical_groups is not None
+        shards = shuffle == "shards"
+        self.canonical_groups = canonical_groups or (self.world_size if shards else None)
+        self.shard_window = shard_window
+        self.bounds = shard_bounds(dataset) if shards else None  # refused here if unknown
+        self._layout: ShardLayout | None = None
         self.epoch, self.consumed = start_epoch, 0
         self._set_consumed(start_iter)
         self.handed_out = self.consumed  # global position the last iterator reached
@@ -99,6 +124,7 @@ class RDSampler(Sampler[int]):
         return {**order_state(self), "handed_out": self.handed_out, "advanced": self.advanced}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        adopt_groups(self, state)
         check_state("RDSampler", state, self._setup())
         self.epoch = int(state["epoch"])
         self._set_consumed(int(state["consumed"]))
@@ -133,10 +159,12 @@ class OrderIterator(Iterator[int]):
         s = self.sampler
         self.epoch, self.start, self.yielded = epoch, consumed, 0
         self.end = epoch_end(s.num_items, consumed, s.world_size, s.drop_last)
+        layout = order_layout(s)
         self._indices = order_blocks(
-            consumed + s.rank, self.end, s.world_size, s.num_items, s.seed, epoch, s.shuffle
-        )
-        self._prefetch = order_prefetch(s.dataset, s.seed, s.shuffle)  # None: data on disk
+            consumed + s.rank, self.end, s.world_size, s.num_items, s.seed, epoch, s.shuffle,
+            layout=layout,
+        )  # fmt: skip
+        self._prefetch = order_prefetch(s.dataset, s.seed, s.shuffle, layout=layout)
 
     def __next__(self) -> int:
         if self.yielded == 0:

@@ -1,8 +1,9 @@
 """Resume state, shared by RDSampler and the dataflow's roles: a version and a setup, checked.
 
 A state carries its version and the setup it was saved under (seed, shuffle, drop_last, the
-data's fingerprint) beside its position (order.py: an epoch and a count of consumed
-positions), and refuses to load under another one, naming the field and both values.
+data's fingerprint; with `shuffle="shards"` also the canonical group count and the window)
+beside its position (order.py: an epoch and a count of consumed positions), and refuses to
+load under another one, naming the field and both values.
 """
 
 from __future__ import annotations
@@ -10,18 +11,24 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.training.order import (
+    ShardLayout,
     advance_position,
     data_parallel_coordinates,
     epoch_end,
     epoch_order,
     order_at,
     order_blocks,
+    shard_bounds,
     worker_of,
 )
 
 __all__ = [  # the order's names too, where their users have always found them
+    "SHUFFLES",
     "STATE_VERSION",
+    "ShardLayout",
+    "adopt_groups",
     "advance_position",
+    "check_shuffle",
     "check_state",
     "data_fingerprint",
     "data_parallel_coordinates",
@@ -30,11 +37,14 @@ __all__ = [  # the order's names too, where their users have always found them
     "order_at",
     "order_blocks",
     "order_setup",
+    "order_layout",
     "order_state",
+    "shard_bounds",
     "worker_of",
 ]
 
 STATE_VERSION = 2  # 2: the per-position order (order_at) replaced a PCG64 permutation
+SHUFFLES = (True, False, "shards")  # global permutation, none, shard-aware (order.py)
 
 
 def data_fingerprint(dataset: Any) -> str:
@@ -55,14 +65,52 @@ def check_state(owner: str, state: dict, expected: dict[str, Any]) -> None:
             raise ValueError(f"{owner} cannot resume: {key}: saved {state[key]!r}, now {now!r}")
 
 
+def check_shuffle(owner: str, shuffle: Any, canonical_groups: Any, shard_window: Any) -> None:
+    """`shuffle` is one of SHUFFLES, and the shard-aware order's settings are positive ints."""
+    if not (isinstance(shuffle, bool) or shuffle == "shards"):
+        raise ValueError(f"{owner}: shuffle must be True, False or 'shards', got {shuffle!r}")
+    for name, value in (("canonical_groups", canonical_groups), ("shard_window", shard_window)):
+        if value is None and name == "canonical_groups":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+
+
 def order_setup(owner: Any) -> dict[str, Any]:
-    """What an order's state is valid under (checked on load): seed, shuffle, drop_last, data."""
-    return {
+    """What an order's state is valid under (checked on load): seed, shuffle, drop_last, data;
+    for the shard-aware order also its canonical group count and window."""
+    setup = {
         "seed": owner.seed,
         "shuffle": owner.shuffle,
         "drop_last": owner.drop_last,
         "fingerprint": owner.fingerprint,
     }
+    if owner.shuffle == "shards":
+        setup["canonical_groups"] = owner.canonical_groups
+        setup["shard_window"] = owner.shard_window
+    return setup
+
+
+def adopt_groups(owner: Any, state: dict[str, Any]) -> None:
+    """A shard-aware order whose canonical group count was not given takes the saved one: the
+    count is fixed at a run's first start, whatever world size resumes it (None: not yet)."""
+    if owner.shuffle == "shards" and not owner.groups_given and isinstance(state, dict):
+        saved = state.get("canonical_groups")
+        if saved is None or (isinstance(saved, int) and not isinstance(saved, bool) and saved > 0):
+            owner.canonical_groups = saved
+
+
+def order_layout(owner: Any) -> ShardLayout | None:
+    """The owner's ShardLayout for `shuffle="shards"`, from its `bounds` (`shard_bounds` of its
+    dataset) and its canonical_groups, which must be fixed by now; None for other orders."""
+    if owner.shuffle != "shards":
+        return None
+    layout = owner._layout
+    if layout is None or layout.groups != owner.canonical_groups:
+        layout = owner._layout = ShardLayout(
+            owner.bounds, owner.canonical_groups, owner.shard_window
+        )
+    return layout
 
 
 def order_state(owner: Any) -> dict[str, Any]:
