@@ -119,3 +119,43 @@ def test_a_run_killed_before_any_of_its_writes_resumes_to_the_clean_bytes(tmp_pa
         assert files_of(out) == files_of(clean), f"killed before write {at}"
         assert manifest_of(out) == manifest_of(clean), f"killed before write {at}"
         assert verify_dataset(out) == [], f"killed before write {at}"
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_a_run_killed_again_and_again_even_while_resuming_ends_in_the_clean_bytes(tmp_path, seed):
+    """SIGKILL at random moments, several times in a row (the later kills fall in a resume),
+    then a run to the end: the bytes of a clean run, and every kill left a resumable output."""
+    import random
+    import signal
+    import subprocess
+    import time
+
+    lines = (ROOT / "data" / "chat_sharegpt_1000.jsonl").read_text().split("\n")
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(line + "\n" for line in lines[:600] if line))
+    data = default_config("sft").model_dump(mode="json")
+    data["preprocessing"].update(batch_size=8, task_bytes=src.stat().st_size // 10)
+    data["output"]["max_tokens_per_shard"] = 20_000
+    config = PipelineConfig.from_dict(data)
+    cfg_path = tmp_path / "sft.json"
+    cfg_path.write_text(config.model_dump_json())
+    clean = tmp_path / "clean"
+    assert run(clean, src, config) > 0
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "tokenmill", "preprocess", str(src), "-o", str(out)]
+    cmd += ["-c", str(cfg_path), "--tokenizer", str(QWEN), "--workers", "2"]
+    cmd += ["--on-error", "skip"]
+    rng = random.Random(seed)
+    kills = 0
+    for _ in range(6):
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(rng.uniform(0.5, 2.0))
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            kills += 1
+        proc.wait()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert kills >= 3
+    assert files_of(out) == files_of(clean) and manifest_of(out) == manifest_of(clean)
+    assert verify_dataset(out) == []
