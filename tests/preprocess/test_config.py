@@ -74,6 +74,7 @@ def test_every_field_round_trips_from_json_and_yaml(tmp_path):
             "max_chars": 99,
             "max_items": 3,
             "batch_size": 4,
+            "task_bytes": 1_000_000,
             "packing_strategy": "bfd_split",
             "max_packed_len": 32,
             "truncation_mode": "keep_end",

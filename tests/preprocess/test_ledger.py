@@ -120,7 +120,7 @@ def tokens_rendered(config: PipelineConfig, family: str, records: list[dict]) ->
 def test_every_token_read_is_written_or_dropped_by_reason(run):
     config, family, records = run
     masker = RecordMasker(config, BUNDLES[family])
-    chunk = Chunk(0, [Record("in.jsonl", i + 1, r) for i, r in enumerate(records)])
+    chunk = Chunk(0, 0, [Record("in.jsonl", i + 1, r) for i, r in enumerate(records)])
     result = process_chunk(chunk, masker)
     total = Ledger()
     for ledger in result.ledgers.values():
@@ -168,7 +168,7 @@ def test_a_record_too_long_is_dropped_before_it_is_tokenized():
     data = default_config("seq").model_dump(mode="json")
     data["preprocessing"]["max_chars"] = 1_000_000
     masker = RecordMasker(PipelineConfig.from_dict(data), BUNDLES["qwen2.5"])
-    chunk = Chunk(0, [Record("big.jsonl", 1, {"text": "word " * 1_000_000})])
+    chunk = Chunk(0, 0, [Record("big.jsonl", 1, {"text": "word " * 1_000_000})])
     result = process_chunk(chunk, masker)
     ledger = result.ledgers[""]
     assert ledger.dropped == {"too_long": {"records": 1, "tokens": 0}} and ledger.tokens_read == 0

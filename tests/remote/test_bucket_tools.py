@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.preprocess.run.upload import BucketOutput
+from tokenmill.shards.manifest import read_manifest
 from tokenmill.storage import bucket_lock
 from tokenmill.storage.bucket_lock import LOCK, BucketLock
 from tokenmill.storage.remote import Remote
@@ -100,14 +101,15 @@ def test_verify_inspect_and_show_take_a_url(datasets, options, bucket, tmp_path,
     # a corrupted object (same size) and a missing one: named, with the URL's shard
     fs = fsspec.filesystem("s3", skip_instance_cache=True, **options)
     fs.put(str(local) + "/", f"{bucket}/sft/", recursive=True)
-    data = bytearray((local / "shard_00001" / "sequence.bin").read_bytes())
+    first, second = [info["name"] for info in read_manifest(local)["domains"][""][1:3]]
+    data = bytearray((local / first / "sequence.bin").read_bytes())
     data[4] ^= 0xFF
-    fs.pipe(f"{bucket}/sft/shard_00001/sequence.bin", bytes(data))
-    fs.rm(f"{bucket}/sft/shard_00002/loss_mask.bin")
+    fs.pipe(f"{bucket}/sft/{first}/sequence.bin", bytes(data))
+    fs.rm(f"{bucket}/sft/{second}/loss_mask.bin")
     assert main(["verify", f"s3://{bucket}/sft", "--json", *opt]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
-    assert any("shard_00001" in p and "sequence" in p for p in problems), problems
-    assert any("shard_00002" in p and "loss_mask" in p for p in problems), problems
+    assert any(first in p and "sequence" in p for p in problems), problems
+    assert any(second in p and "loss_mask" in p for p in problems), problems
     assert not any(str(tmp_path) in p or "tokenmill-copy" in p for p in problems)
 
 
