@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         DPOPaddingCollator as DPOPaddingCollator,
         GRPOPaddingCollator as GRPOPaddingCollator,
         PackedCollator as PackedCollator,
+        ContextParallelCollator as ContextParallelCollator,
         DataflowLoader as DataflowLoader,
     )
     # isort: on
@@ -99,6 +100,7 @@ _EXPORTS = {
     "DPOPaddingCollator": "tokenmill.dataflow",
     "GRPOPaddingCollator": "tokenmill.dataflow",
     "PackedCollator": "tokenmill.dataflow",
+    "ContextParallelCollator": "tokenmill.dataflow",
     "DataflowLoader": "tokenmill.dataflow",
 }
 

@@ -23,6 +23,7 @@ from resume import ToyDataset, same
 import tokenmill.dataflow as dataflow
 from tokenmill.dataflow import (
     BatchCollator,
+    ContextParallelCollator,
     DataDistributor,
     DataflowLoader,
     DefaultBatchCollator,
@@ -104,6 +105,15 @@ SCENARIOS: dict[str, tuple[str, Callable[[Path, Pick], Roles]]] = {
             c(IdentityProcessor)(),
             c(PoolPackingBatcher)(3 * WINDOW, pool_size=5),
             c(PackedCollator)(),
+        ),
+    ),
+    "context parallel windows": (
+        "planned windows",
+        lambda root, c: (
+            c(MapDistributor)(windows("sft", root), seed=SEED, num_epochs=1),
+            c(IdentityProcessor)(),
+            c(PoolPackingBatcher)(3 * WINDOW, pool_size=5),
+            c(ContextParallelCollator)(2, 1),
         ),
     ),
     "dpo planned": (
@@ -232,6 +242,7 @@ TRIVIAL = [
     (PackedGRPOCollator, "grpo packed"),
     (PackedCollator, "packed windows"),
     (PackedCollator, "truncated"),
+    (ContextParallelCollator, "context parallel windows"),
 ]
 
 # the slow path's methods, counted where they are defined (so a trivial subclass, which
@@ -260,6 +271,7 @@ WATCHED = [
             PackedDPOCollator,
             PackedKTOCollator,
             PackedGRPOCollator,
+            ContextParallelCollator,
         )
     ],
 ]

@@ -2,7 +2,8 @@
 
 DataDistributor (distributors.py) -> RawItemProcessor (processors.py) -> SampleBatcher
 (batchers.py) -> BatchCollator (collators.py; packed_preferences: DPO, KTO and GRPO groups
-packed in one row), in order per worker (roles.py), driven by DataflowLoader (loader.py, its
+packed in one row; context_parallel: a packed row split across context-parallel ranks), in
+order per worker (roles.py), driven by DataflowLoader (loader.py, its
 settings one LoaderOptions, its collator by default the one that fits the dataset's items:
 fitting); provenance (the tokenizer a loader's data was made with). The hooks each role may
 offer are declared on its base class, and what the loader may ask of a dataset are the
@@ -23,6 +24,11 @@ from tokenmill.dataflow.collators import (
     KTOPaddingCollator,
     PackedCollator,
     SFTPaddingCollator,
+)
+from tokenmill.dataflow.context_parallel import (
+    ContextParallelCollator,
+    context_parallel_gather,
+    context_parallel_slice,
 )
 from tokenmill.dataflow.distributors import (
     DataDistributor,
@@ -62,6 +68,9 @@ __all__ = [
     "PackedDPOCollator",
     "PackedKTOCollator",
     "PackedGRPOCollator",
+    "ContextParallelCollator",
+    "context_parallel_slice",
+    "context_parallel_gather",
     "DataflowLoader",
     "LoaderOptions",
 ]

@@ -43,7 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(DEFAULT_CONFIGS),
         help="use the built-in config of a training type instead of --config",
     )
-    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer folder")
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="Hugging Face tokenizer folder, or a Hub name ORG/NAME[@REVISION] already in the "
+        "local Hugging Face cache (HF_HUB_CACHE; never downloaded)",
+    )
     p.add_argument(
         "--text-lines",
         action="store_true",

@@ -72,8 +72,69 @@ def empty_word_cache(tokenizer: tokenizers.Tokenizer) -> None:
 
 
 def load_tokenizer(path: str | Path) -> TokenizerBundle:
-    """Load `tokenizer.json` + `tokenizer_config.json` from a folder, once per process."""
-    return _load_folder(str(Path(path).resolve()))
+    """Load `tokenizer.json` + `tokenizer_config.json` from a folder, or from the local
+    Hugging Face cache's copy of a Hub name (`tokenizer_folder`), once per process."""
+    return _load_folder(str(tokenizer_folder(path).resolve()))
+
+
+# A Hub name, ORG/NAME, then @REVISION (a branch, tag or commit hash) if any
+_HUB_NAME = re.compile(r"(?P<repo>\w[\w.-]*/\w[\w.-]*)(?:@(?P<revision>[^@]+))?")
+_TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+
+
+def tokenizer_folder(path: str | Path) -> Path:
+    """The folder a tokenizer loads from: `path` itself where it exists or is no Hub name, else
+    the snapshot of ORG/NAME[@REVISION] in the local Hugging Face cache, found the way
+    huggingface_hub finds it offline (never a network call: tokenmill downloads nothing)."""
+    folder = Path(path)
+    match = _HUB_NAME.fullmatch(str(path))
+    if match is None or folder.exists():
+        return folder.absolute()
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    repo, revision = match["repo"], match["revision"] or "main"
+    cache, chosen_by = hub_cache()
+    try:
+        found = snapshot_download(
+            repo,
+            revision=revision,
+            cache_dir=cache,
+            local_files_only=True,
+            allow_patterns=_TOKENIZER_FILES,  # a tokenizer-only download is complete
+        )
+    except IncompleteSnapshotError:
+        raise
+    except LocalEntryNotFoundError:
+        stored = cache / f"models--{repo.replace('/', '--')}"
+        where = [stored / "snapshots" / revision]
+        if not re.fullmatch(r"[0-9a-f]{40}", revision):  # a ref names its commit in refs/
+            where = [stored / "refs" / revision, stored / "snapshots"]
+        raise FileNotFoundError(
+            f"tokenizer {str(path)!r}: no such folder ({folder.absolute()}), and no copy in the "
+            f"Hugging Face cache {cache} ({chosen_by}): searched "
+            + ", ".join(str(p) for p in where)
+            + f". tokenmill never downloads: fetch it first (`hf download {repo}`), or set "
+            "HF_HUB_CACHE to the cache that holds it"
+        ) from None
+    return Path(found)
+
+
+def hub_cache() -> tuple[Path, str]:
+    """The Hugging Face hub cache folder and what chose it, as huggingface_hub chooses, read
+    now (huggingface_hub reads the environment once, on import): $HF_HUB_CACHE, else
+    $HUGGINGFACE_HUB_CACHE (its older name), else $HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    for variable, tail in (
+        ("HF_HUB_CACHE", ""),
+        ("HUGGINGFACE_HUB_CACHE", ""),
+        ("HF_HOME", "hub"),
+        ("XDG_CACHE_HOME", "huggingface/hub"),
+    ):
+        value = os.environ.get(variable)
+        if value:
+            return Path(os.path.expandvars(value)).expanduser() / tail, f"${variable}"
+    return Path.home() / ".cache" / "huggingface" / "hub", "the default"
 
 
 @cache

@@ -24,7 +24,7 @@ from typing import IO, Any
 import orjson
 
 from tokenmill import __version__
-from tokenmill.preprocess.chat.tokenizer import load_tokenizer
+from tokenmill.preprocess.chat.tokenizer import load_tokenizer, tokenizer_folder
 from tokenmill.preprocess.chat.training_templates import template_identity
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.document.masking import RecordMasker
@@ -87,7 +87,11 @@ class Pipeline:
             self._out = self.bucket.local  # staging: shards are written here, then uploaded
         else:
             self.output_dir = self._out = location  # absolute: Ray workers run elsewhere
-        self.tokenizer_path = str(Path(tokenizer_path).absolute())
+        folder = tokenizer_folder(tokenizer_path)  # a Hub name: its snapshot in the local cache
+        self.tokenizer_path = str(folder)
+        self.tokenizer_name = (
+            None if folder == Path(tokenizer_path).absolute() else str(tokenizer_path)
+        )
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers  # None: every local core, or every cluster CPU but one (Ray)
@@ -288,6 +292,7 @@ class Pipeline:
             "tokenizer_fingerprint": tokenizer_fp,
             "config_fingerprint": config_fp,
             "tokenizer_path": self.tokenizer_path,
+            **({"tokenizer_name": self.tokenizer_name} if self.tokenizer_name else {}),
             "chat_template": template_identity(masker.bundle, self.config.chat_template),
             "run_id": run_id,
             "config": self.config.model_dump(mode="json"),
