@@ -33,6 +33,7 @@ from tokenmill.training.state import (
     order_setup,
     order_state,
     shard_bounds,
+    state_count,
     worker_of,
 )
 from tokenmill.training.windows import WindowBatch
@@ -307,9 +308,8 @@ class MapDistributor(_IndexedDistributor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         adopt_groups(self, state)
         check_state("MapDistributor", state, self._setup())
-        if not 0 <= state["consumed"] <= len(self.dataset):
-            raise ValueError(f"MapDistributor: consumed {state['consumed']} is outside the dataset")
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.epoch = state_count("MapDistributor", state, "epoch")
+        self.consumed = state_count("MapDistributor", state, "consumed", len(self.dataset))
 
 
 class IterableDistributor(_IndexedDistributor):
@@ -352,7 +352,7 @@ class IterableDistributor(_IndexedDistributor):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state("IterableDistributor", state, {"fingerprint": self.fingerprint})
-        self.consumed = int(state["consumed"])
+        self.consumed = state_count("IterableDistributor", state, "consumed")
 
 
 def rank_split(dp_world_size: int, ratios: Sequence[float]) -> list[int]:

@@ -28,7 +28,12 @@ from tokenmill.dataflow.distributors import DataDistributor
 from tokenmill.dataflow.fitting import fitting_collator
 from tokenmill.dataflow.processors import IdentityProcessor, RawItemProcessor
 from tokenmill.dataflow.roles import check_roles, collate_windows, read_path, run_roles
-from tokenmill.training.state import STATE_VERSION, check_state, data_parallel_coordinates
+from tokenmill.training.state import (
+    STATE_VERSION,
+    check_state,
+    data_parallel_coordinates,
+    state_count,
+)
 from tokenmill.training.windows import WindowBatch, piped
 
 __all__ = ["DataflowLoader", "LoaderOptions"]
@@ -383,5 +388,5 @@ class DataflowLoader:
         self.distributor.set_coordinates(self.dp_rank, self.dp_world_size)  # may refuse it
         self.batcher.load_state_dict(state["position"]["batcher"])
         self._position = state["position"]
-        self.consumed_batches = int(state["consumed_batches"])
+        self.consumed_batches = state_count("DataflowLoader", state, "consumed_batches")
         self._trail.clear()

@@ -331,6 +331,28 @@ class PipelineConfig(_Strict):
         base = (info.context or {}).get("base")
         return None if value is None else resolve(value, base)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _plain_text_streams(cls, data: Any) -> Any:
+        """A plain-text config (one text section: no chat template, no sources) that names no
+        packing strategy streams, as the seq preset does: pretraining keeps every token
+        (simple packing would cut each document past max_packed_len)."""
+        if not isinstance(data, dict):
+            return data
+        given, pre = data.get("input"), data.get("preprocessing", {})
+        if not isinstance(given, dict) or not isinstance(pre, dict) or given.get("sources"):
+            return data
+        sections = given.get("sections")
+        plain = (
+            isinstance(sections, list)
+            and len(sections) == 1
+            and isinstance(sections[0], dict)
+            and not sections[0].get("template")
+        )
+        if plain and "packing_strategy" not in pre:
+            return {**data, "preprocessing": {**pre, "packing_strategy": "stream"}}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         if self.preprocessing.min_chars > self.preprocessing.max_chars:

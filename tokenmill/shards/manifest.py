@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from tokenmill.shards.files import write_atomic
-from tokenmill.shards.format import FORMAT_VERSION
+from tokenmill.shards.format import FORMAT_VERSION, RUN_DIR
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
@@ -47,9 +47,55 @@ def parse_manifest(data: bytes, where: str | Path) -> dict:
         raise ValueError(f"{where}: not valid JSON: {err}") from None
     if not isinstance(manifest, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(manifest).__name__}")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
+    version = manifest.get("format_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"{where}: format_version must be an integer, got {version!r}")
+    if version > FORMAT_VERSION:
         raise ValueError(
             f"{where}: format_version {manifest['format_version']} is newer than this "
             f"tokenmill reads ({FORMAT_VERSION}); upgrade tokenmill"
         )
     return manifest
+
+
+def not_ours(manifest: bytes | None, run_id: bytes | None) -> str | None:
+    """Why a folder or prefix is not proven a tokenmill output (None where it is), from its
+    manifest.json's bytes and its run folder's `run_id` (None where absent): what --overwrite
+    may delete. A file name proves nothing (a web app has a manifest.json): a manifest must be
+    a JSON object naming tokenmill as its tool and its dataset (a run id, or the source it
+    was imported from); a run folder must hold the id a run writes there."""
+    if manifest is not None:
+        try:
+            data = json.loads(manifest)
+        except ValueError:
+            return "its manifest.json is not JSON"
+        if not isinstance(data, dict):
+            return f"its manifest.json holds a JSON {type(data).__name__}, not a tokenmill manifest"
+        tool = data.get("tool")
+        if not (isinstance(tool, str) and tool.startswith("tokenmill ")):
+            return f"its manifest.json names the tool {tool!r}, not tokenmill"
+        if not (_is_run_id(data.get("run_id")) or isinstance(data.get("source"), dict)):
+            return "its manifest.json names no tokenmill run id or import source"
+        return None
+    if run_id is not None:
+        return (
+            None
+            if _is_run_id(run_id.decode(errors="replace"))
+            else (f"its {RUN_DIR}/run_id is not a tokenmill run id")
+        )
+    return f"it has no manifest.json and no {RUN_DIR}/run_id"
+
+
+def _is_run_id(value: object) -> bool:
+    return (
+        isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def local_not_ours(folder: Path) -> str | None:
+    """`not_ours` for a local folder."""
+    manifest, run_id = Path(folder) / "manifest.json", Path(folder) / RUN_DIR / "run_id"
+    return not_ours(
+        manifest.read_bytes() if manifest.is_file() else None,
+        run_id.read_bytes() if run_id.is_file() else None,
+    )

@@ -22,7 +22,7 @@ from tokenmill.preprocess.config import OutputConfig
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.run.runlog import Summary
 from tokenmill.shards.format import RUN_DIR, Column, DocumentLengths, positions_mark_documents
-from tokenmill.shards.manifest import read_manifest, write_manifest
+from tokenmill.shards.manifest import local_not_ours, read_manifest, write_manifest
 from tokenmill.shards.reader import find_shards, map_shard, read_meta
 from tokenmill.shards.schema import stored_schema
 from tokenmill.shards.writer import ShardWriter
@@ -182,6 +182,9 @@ def import_megatron(
         if low < 0 or high > np.iinfo(np.int32).max:
             raise ValueError(f"{prefix}: token ids in [{low}, {high}] do not fit int32")
     out = Path(out).absolute()
+    for path in paths(prefix):
+        if out.resolve() in path.resolve().parents:
+            raise ValueError(f"{out} holds the corpus {path}; write the dataset elsewhere")
     _fresh_output(out, overwrite)
     if max_tokens_per_shard is None:
         max_tokens_per_shard = OutputConfig().max_tokens_per_shard
@@ -254,10 +257,11 @@ def _fresh_output(out: Path, overwrite: bool) -> None:
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} is not empty; pass --overwrite to replace it")
-        if read_manifest(out) is None and not (out / RUN_DIR).is_dir():
+        why = local_not_ours(out)
+        if why is not None:
             raise FileExistsError(
-                f"{out} is not a tokenmill dataset (no manifest.json): --overwrite replaces "
-                "only what tokenmill wrote; remove it yourself"
+                f"{out} is not a tokenmill dataset ({why}): --overwrite replaces only what "
+                "tokenmill wrote; remove it yourself"
             )
         shutil.rmtree(out)
     make_parent(out)

@@ -33,12 +33,15 @@ def export_hf(root: str | Path, out: str | Path, overwrite: bool = False) -> dic
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out}: exists and is a file; give a folder to write")
+    if out.resolve() in (real := Path(root).resolve(), *real.parents):
+        raise ValueError(f"{out} holds the dataset {root}; write the export elsewhere")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} is not empty; pass --overwrite to replace it")
-        if not (out / "state.json").is_file():
+        why = _not_an_export(out)
+        if why is not None:
             raise FileExistsError(
-                f"{out} is not a saved dataset (no state.json): --overwrite replaces only "
+                f"{out} is not a saved dataset tokenmill exported ({why}): --overwrite replaces only "
                 "what an export wrote; remove it yourself"
             )
     first = read_meta(shards[0][1])
@@ -96,6 +99,22 @@ def export_hf(root: str | Path, out: str | Path, overwrite: bool = False) -> dic
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"folder": str(out), "rows": rows, "files": len(shards), "columns": schema.names}
+
+
+def _not_an_export(folder: Path) -> str | None:
+    """Why `folder` is not proven an earlier export (None where it is): a saved dataset's
+    state.json is not enough (any `datasets` folder has one); its dataset_info.json must say
+    tokenmill exported it, as export_hf writes it."""
+    info = folder / "dataset_info.json"
+    if not (folder / "state.json").is_file() or not info.is_file():
+        return "no state.json and dataset_info.json"
+    try:
+        description = json.loads(info.read_bytes()).get("description")
+    except (ValueError, AttributeError):
+        return "its dataset_info.json is not a JSON object"
+    if not (isinstance(description, str) and description.startswith("exported by tokenmill ")):
+        return "its dataset_info.json does not say tokenmill exported it"
+    return None
 
 
 def _arrow_type(dtype: str, nested: bool) -> pa.DataType:

@@ -151,7 +151,11 @@ def jsonl_inputs(path: Path) -> tuple[list[Path], dict[str, str] | None]:
     if manifest and manifest.get("storage_format") == "jsonl":
         names = [rel for rel, _ in listed(manifest)]
         return [path / n for n in names], manifest.get("keys")
-    files = sorted(p for p in path.glob("*.jsonl") if not is_tmp(Path(p.name)))
+    # a tokenmill output's rejects.jsonl lists bad input, never data (every record rejected)
+    rejects = "rejects.jsonl" if manifest is not None else None
+    files = sorted(
+        p for p in path.glob("*.jsonl") if not is_tmp(Path(p.name)) and p.name != rejects
+    )
     if not files:
         raise FileNotFoundError(f"{path}: no *.jsonl files at its top level")
     return files, None

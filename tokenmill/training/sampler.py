@@ -31,6 +31,7 @@ from tokenmill.training.state import (
     order_setup,
     order_state,
     shard_bounds,
+    state_count,
 )
 
 
@@ -126,9 +127,26 @@ class RDSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         adopt_groups(self, state)
         check_state("RDSampler", state, self._setup())
-        self.epoch = int(state["epoch"])
-        self._set_consumed(int(state["consumed"]))
-        unconsumed = int(state.get("handed_out", 0)) - int(state["consumed"])
+        end = epoch_end(self.num_items, 0, self.world_size, self.drop_last)
+        epoch = state_count("RDSampler", state, "epoch")
+        consumed = state_count("RDSampler", state, "consumed", min(end, self.num_items))
+        handed_out = (
+            state_count("RDSampler", state, "handed_out", end)
+            if "handed_out" in state
+            else consumed
+        )
+        if not isinstance(state.get("advanced", False), bool):
+            raise ValueError(
+                f"RDSampler cannot resume: advanced must be a bool, got {state['advanced']!r}"
+            )
+        if consumed > handed_out:  # consumed past what was handed out: samples never trained
+            raise ValueError(
+                f"RDSampler cannot resume: consumed {consumed} is past handed_out {handed_out}: "
+                f"it would skip {consumed - handed_out} sample(s)"
+            )
+        self.epoch = epoch
+        self._set_consumed(consumed)
+        unconsumed = handed_out - consumed
         # handed out, never advanced: unless a StatefulDataLoader positions the iterator
         # next (it loads the iterator's own state), a resume would repeat those samples
         self._unpositioned = (
@@ -189,9 +207,10 @@ class OrderIterator(Iterator[int]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s = self.sampler
-        epoch, position = int(state["epoch"]), int(state["position"])
+        if not isinstance(state, dict):
+            raise TypeError(f"RDSampler iterator: state must be a dict, got {type(state).__name__}")
         end = epoch_end(s.num_items, 0, s.world_size, s.drop_last)
-        if not 0 <= position <= end:
-            raise ValueError(f"RDSampler iterator: position {position} outside [0, {end}]")
+        epoch = state_count("RDSampler iterator", state, "epoch")
+        position = state_count("RDSampler iterator", state, "position", end)
         s.epoch, s.consumed, s.handed_out, s._unpositioned = epoch, position, position, None
         self._start(epoch, position)

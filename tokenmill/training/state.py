@@ -30,6 +30,7 @@ __all__ = [  # the order's names too, where their users have always found them
     "advance_position",
     "check_shuffle",
     "check_state",
+    "state_count",
     "data_fingerprint",
     "data_parallel_coordinates",
     "epoch_end",
@@ -63,6 +64,22 @@ def check_state(owner: str, state: dict, expected: dict[str, Any]) -> None:
             raise ValueError(f"{owner} cannot resume: state lacks {key!r}")
         if state[key] != now:
             raise ValueError(f"{owner} cannot resume: {key}: saved {state[key]!r}, now {now!r}")
+
+
+def state_count(owner: str, state: dict, key: str, high: int | None = None) -> int:
+    """`state[key]`, a count: an integer (a bool is not one here) in [0, high], else a
+    ValueError naming the field (an edited state must not skip or repeat a sample)."""
+    if key not in state:
+        raise ValueError(f"{owner} cannot resume: state lacks {key!r}")
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{owner} cannot resume: {key} must be an integer, got {type(value).__name__} {value!r}"
+        )
+    if value < 0 or (high is not None and value > high):
+        bound = f"[0, {high}]" if high is not None else ">= 0"
+        raise ValueError(f"{owner} cannot resume: {key} {value} is outside {bound}")
+    return value
 
 
 def check_shuffle(owner: str, shuffle: Any, canonical_groups: Any, shard_window: Any) -> None:

@@ -8,7 +8,7 @@ tokens of its rows by the schema's rule.
 
 from __future__ import annotations
 
-from tokenmill.preprocess.config import PipelineConfig, Section
+from tokenmill.preprocess.config import ConfigError, PipelineConfig, Section
 from tokenmill.shards.schema import ItemSchema
 
 
@@ -52,8 +52,17 @@ class OutputLayout:
         return {k for k, s in sources.items() if s.sections[0].action == "value"}
 
     def dtypes(self) -> dict[str, str]:
+        """Each output key's stored dtype; an override of a key the output does not have (a
+        typo) is a ConfigError naming it, not ignored."""
+        keys = self.output_keys()
+        unknown = sorted(set(self.config.output.dtype) - set(keys))
+        if unknown:
+            raise ConfigError(
+                f"output.dtype.{unknown[0]}: not a key this config writes (its keys: "
+                f"{', '.join(keys)})"
+            )
         values = self.value_keys()
-        return {k: key_dtype(k, self.config, values) for k in self.output_keys()}
+        return {k: key_dtype(k, self.config, values) for k in keys}
 
     def primary_key(self) -> str:
         return self.output_keys()[0]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tokenmill.preprocess.chat.template import record_budget
 from tokenmill.preprocess.chat.tokenizer import TokenizerBundle
 from tokenmill.preprocess.config import PipelineConfig, Section
 from tokenmill.preprocess.document.filters import check_chars, raw_chars
@@ -29,6 +30,16 @@ from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.ledger import Tally
 
 DocumentArrays = dict[str, "np.ndarray | list[np.ndarray]"]
+
+
+def check_label(record: Record, field: str) -> None:
+    """A KTO label (the `label` key, as TRL names it) says good or bad: true/false, or the
+    integers 1/0, nothing else (2, 0.5, -1 and [true] were stored as given)."""
+    value = get_field(record, field)
+    if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
+        raise record_error(
+            record, field, f"a label must be true or false (or 1 or 0), got {value!r}", "bad_value"
+        )
 
 
 class RecordMasker:
@@ -56,7 +67,12 @@ class RecordMasker:
         return self.process_counted(record)[0]
 
     def process_counted(self, record: Record) -> tuple[DocumentArrays, Tally]:
-        """The record's arrays and its tally; a RecordError carries the tokens rendered so far."""
+        """The record's arrays and its tally; a RecordError carries the tokens rendered so far.
+        Its renderings share one time budget (chat/template.py)."""
+        with record_budget():
+            return self._process_counted(record)
+
+    def _process_counted(self, record: Record) -> tuple[DocumentArrays, Tally]:
         if not isinstance(record.data, dict):
             raise record_error(record, None, "expected a JSON object", "not_object")
         record = remap(record, self.config.input)
@@ -112,6 +128,8 @@ class RecordMasker:
             if not present(record, source.sections):
                 continue  # e.g. GRPO prompts without responses yet: prompts for online generation
             if section.action == "value":
+                if key == "label":
+                    check_label(record, section.field)
                 values[key] = get_values(record, section.field, np.dtype(self._dtypes[key]))
                 out[key] = values[key]
                 continue
@@ -157,7 +175,15 @@ class RecordMasker:
                     )
                 if mask_key:
                     out[mask_key] = mask
+        groups = [k for k, source in (self.config.input.sources or {}).items() if source.list_field]
         for vkey, vals in values.items():
+            if groups and not group_sizes:  # GRPO's rewards score responses: none here
+                raise record_error(
+                    record,
+                    vkey,
+                    f"{len(vals)} value(s) but no {groups[0]!r} for them to score",
+                    "bad_value",
+                )
             for gkey, size in group_sizes.items():
                 if len(vals) != size:
                     raise record_error(

@@ -18,7 +18,7 @@ import numpy as np
 from tokenmill.preprocess.chat.mask_proof import ContentDropped, MaskUnproven
 from tokenmill.preprocess.chat.probe_spans import assistant_header
 from tokenmill.preprocess.chat.spans import masked_rendering
-from tokenmill.preprocess.chat.template import Renderer, has_generation_blocks
+from tokenmill.preprocess.chat.template import Renderer, TemplateRunBudget, has_generation_blocks
 from tokenmill.preprocess.chat.token_offsets import TokenOffsets, encode_offsets
 from tokenmill.preprocess.chat.tokenizer import TokenizerBundle, encode_text
 from tokenmill.preprocess.chat.training_templates import template_name, with_chat_template
@@ -261,6 +261,8 @@ class PartMaker:
             name = template_name(self.bundle, self.config.chat_template)
             message = f"{err} (chat template: {name})"
             raise record_error(record, field, message, err.reason) from None
+        except TemplateRunBudget:  # the run's budget: the run stops, not only this record
+            raise
         except (
             ValueError,
             TypeError,
@@ -269,6 +271,7 @@ class PartMaker:
             IndexError,
             OverflowError,  # the sandbox's range() limit
             RecursionError,  # a macro that calls itself
+            MemoryError,  # an allocation no size check foresaw
             jinja2.TemplateError,  # raise_exception(), the budgets (TemplateBudget)
         ) as err:
             # raise_exception() in a template, or a template tripping over odd message fields

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from tokenmill.preprocess.config import PipelineConfig, Section
+from tokenmill.preprocess.inputs.fields import record_error
 from tokenmill.preprocess.inputs.records import Record
 
 
@@ -29,6 +30,14 @@ def with_shared_prompt(record: Record, config: PipelineConfig) -> Record:
             v[cut] == values[0][cut] for v in values
         ):
             cut += 1  # each reply keeps at least its last message
+        if any(_role(v[cut]) != "assistant" for v in values):  # they part before a reply
+            raise record_error(
+                record,
+                fields[1],
+                f"the conversations of {' and '.join(fields)} differ at message {cut}, before "
+                "their replies: a pair must share its prompt",
+                "bad_value",
+            )
     else:
         return record
     if cut <= 0:
@@ -39,6 +48,10 @@ def with_shared_prompt(record: Record, config: PipelineConfig) -> Record:
         **{f: v[cut:] for f, v in zip(fields, values)},
     }
     return Record(record.source, record.line, data)
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
 
 
 def is_standard(record: Record, config: PipelineConfig) -> bool:

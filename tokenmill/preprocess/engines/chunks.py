@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.preprocess.chat.template import Renderer
+from tokenmill.preprocess.chat.template import Renderer, start_run
 from tokenmill.preprocess.chat.token_offsets import added_table, encode_offsets_batch
 from tokenmill.preprocess.chat.tokenizer import (
     empty_word_cache,
@@ -35,8 +35,12 @@ from tokenmill.preprocess.inputs.records import Record, RecordError
 from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.packing import apply_packing, plan_packing, position_ids
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name
+from tokenmill.shards.index import INDEX_NAME
 
-_SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SAFE_DOMAIN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # so never '.'-first
+# Names a dataset folder holds for itself: a domain folder by one of them breaks the dataset.
+_RESERVED = frozenset({"manifest.json", "meta.json", "rejects.jsonl", INDEX_NAME, RUN_DIR})
+_RESERVED_SUFFIXES = (".json", ".jsonl", ".bin", ".index")
 
 
 @dataclass
@@ -86,6 +90,7 @@ class Maskers:
         self.bundle = load_tokenizer(tokenizer_path)
         empty_word_cache(self.bundle.tokenizer)  # a run's own words, not an earlier run's
         added_table(self.bundle.tokenizer)  # once, here: each thread's first chunk would make it
+        start_run()  # the run's template budget starts whole, once per process and run
         self._local = threading.local()
 
     def process(self, chunk: Chunk) -> ChunkResult:
@@ -307,15 +312,19 @@ def _domain(record: Record, config: PipelineConfig) -> str:
     if key is None:
         return ""
     value = get_field(record, key)
-    reserved = value in ("manifest.json", "rejects.jsonl", RUN_DIR) or (
-        isinstance(value, str) and (TMP_MARK in value or is_shard_name(value))
+    reserved = isinstance(value, str) and (
+        value in _RESERVED
+        or value.endswith(_RESERVED_SUFFIXES)
+        or TMP_MARK in value
+        or is_shard_name(value)
     )
     if not isinstance(value, str) or not _SAFE_DOMAIN.match(value) or reserved:
         raise record_error(
             record,
             key,
             f"domain must be a short name of letters, digits, '.', '_' or '-', and not one the "
-            f"dataset uses for its own files (manifest.json, rejects.jsonl, shard_N, .tmp-), "
+            f"dataset uses for its own files ({', '.join(sorted(_RESERVED))}, *.json, *.jsonl, "
+            f"*.bin, *.index, shard_N, .tmp-), "
             f"got {value!r}",
             "bad_value",
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import io
+import os
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -96,10 +97,26 @@ def _list(given: str | Path) -> list[InputPath]:
     found = list_location(given)
     if not isinstance(found, Folder):
         return [found]
+    if Path(found.root).is_dir():  # a local folder (a URL's listing has no links)
+        _refuse_dangling_links(Path(found.root))
     chosen = hf_layout(found.root, found.files, found.read)
     if not chosen:
         raise ValueError(f"folder {found.root} holds no input files ({_supported()})")
     return [found.join(parts) for parts in chosen]
+
+
+def _refuse_dangling_links(root: Path) -> None:
+    """A link in an input folder whose target is gone is an error naming it: skipped without a
+    word, its records would be missing from the run (names starting with "." or "_" aside, as
+    the folder's listing leaves them out)."""
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        for name in names + dirs:
+            path = Path(folder) / name
+            if not name.startswith((".", "_")) and path.is_symlink() and not path.exists():
+                raise FileNotFoundError(
+                    f"{path}: a link to {os.readlink(path)}, which does not exist; fix or remove it"
+                )
 
 
 def input_identity(path: InputPath) -> tuple[int, str]:

@@ -44,7 +44,7 @@ from tokenmill.preprocess.run.upload import BucketOutput
 from tokenmill.shards.files import fsync_dir
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, natural_key
 from tokenmill.shards.index import write_indexes
-from tokenmill.shards.manifest import read_manifest, write_manifest
+from tokenmill.shards.manifest import local_not_ours, read_manifest, write_manifest
 from tokenmill.storage.location import output_location
 from tokenmill.storage.remote import Remote
 
@@ -122,8 +122,9 @@ class Pipeline:
                 "preprocessing.max_items needs the records counted in input order, which the "
                 "ray engine's tasks do not do: use the local engine, or cut the input"
             )
+        real_out = self._out.resolve()  # links resolved: an input linked into it is in it
         for file in files:  # the output folder is removed on a bad record or --overwrite
-            if (isinstance(file, Path) and self._out in (file, *file.parents)) or (
+            if (isinstance(file, Path) and real_out in (real := file.resolve(), *real.parents)) or (
                 isinstance(file, str) and f"{file}/".startswith(f"{self.output_dir}/")
             ):
                 raise ValueError(
@@ -239,15 +240,16 @@ class Pipeline:
         if self.bucket is not None:
             return self.bucket.prepare(run_id, inputs, self.overwrite)
         out = self._out
-        if self.overwrite and out.exists() and any(out.iterdir()):
-            if read_manifest(out) is None and not (out / RUN_DIR).is_dir():
-                raise FileExistsError(
-                    f"{out} is not a tokenmill output (no manifest.json, no {RUN_DIR}/): "
-                    "--overwrite replaces only what tokenmill wrote; remove it yourself"
-                )
-            shutil.rmtree(out)
         if RunFolder.never_started(out):  # killed before it wrote anything: start afresh
             shutil.rmtree(out / RUN_DIR)
+        if self.overwrite and out.exists() and any(out.iterdir()):
+            why = local_not_ours(out)
+            if why is not None:
+                raise FileExistsError(
+                    f"{out} is not a tokenmill output ({why}): --overwrite replaces only what "
+                    "tokenmill wrote; remove it yourself"
+                )
+            shutil.rmtree(out)
         if not out.exists() or not any(out.iterdir()):
             out.mkdir(parents=True, exist_ok=True)
             return None

@@ -25,7 +25,7 @@ import xxhash
 from tokenmill.preprocess.run.runlog import RunFolder, Summary
 from tokenmill.shards.format import RUN_DIR
 from tokenmill.shards.index import INDEX_NAME
-from tokenmill.shards.manifest import parse_manifest
+from tokenmill.shards.manifest import not_ours, parse_manifest
 from tokenmill.storage.bucket_lock import LOCK, BucketLock
 from tokenmill.storage.remote import Remote
 
@@ -89,12 +89,14 @@ class BucketOutput:
         (self.local / RUN_DIR).mkdir(parents=True)
         self.lock.set_run_id(run_id)
         listing = {k: v for k, v in self.remote.listing().items() if k != LOCK}
-        ours = "manifest.json" in listing or any(k.startswith(RUN_DIR + "/") for k in listing)
         if overwrite and listing:
-            if not ours:
+            found = self.remote.cat("manifest.json") if "manifest.json" in listing else None
+            has_id = f"{RUN_DIR}/run_id" in listing
+            why = not_ours(found, self.remote.cat(f"{RUN_DIR}/run_id") if has_id else None)
+            if why is not None:
                 raise FileExistsError(
-                    f"{self.url} is not a tokenmill output (no manifest.json, no {RUN_DIR}/): "
-                    "--overwrite replaces only what tokenmill wrote; remove it yourself"
+                    f"{self.url} is not a tokenmill output ({why}): --overwrite replaces only "
+                    "what tokenmill wrote; remove it yourself"
                 )
             self.remote.remove(sorted(listing))
             listing = {}
