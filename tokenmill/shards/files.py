@@ -9,11 +9,14 @@ written aside and published by rename (`publish`), single files are replaced at 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -24,9 +27,35 @@ from tokenmill.shards.format import TMP_MARK
 def write_durable(path: Path, data: np.ndarray | bytes) -> None:
     """One write of the whole array (or bytes), flushed to disk before anything is published."""
     with open(path, "wb") as f:
-        data.tofile(f) if isinstance(data, np.ndarray) else f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+        write_to(f, data, path)
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as err:
+            raise write_error(
+                path, len(data) if isinstance(data, bytes) else data.nbytes, err
+            ) from err
+
+
+def write_to(file: Any, data: np.ndarray | bytes, path: Path) -> None:
+    """`data` written to the open `file` of `path`; a failed write (a full disk) names the
+    file, the bytes asked and the room left, where numpy would say "59115 requested and
+    17408 written"."""
+    try:
+        data.tofile(file) if isinstance(data, np.ndarray) else file.write(data)
+    except OSError as err:
+        raise write_error(path, len(data) if isinstance(data, bytes) else data.nbytes, err) from err
+
+
+def write_error(path: Path, nbytes: int, err: OSError) -> OSError:
+    try:
+        free = f"{shutil.disk_usage(Path(path).parent).free:,} bytes free there"
+    except OSError:
+        free = "free space unknown"
+    why = err.strerror or str(err)
+    return OSError(
+        err.errno or errno.ENOSPC, f"{path}: writing {nbytes:,} bytes failed: {why} ({free})"
+    )
 
 
 def fsync_dir(path: Path) -> None:

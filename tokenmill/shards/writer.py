@@ -21,7 +21,7 @@ import numpy as np
 import xxhash
 
 from tokenmill.shards.buffers import ShardBuffer, jsonl_line, offsets_of
-from tokenmill.shards.files import fsync_dir, publish, tmp_path, write_durable
+from tokenmill.shards.files import fsync_dir, publish, tmp_path, write_durable, write_to
 from tokenmill.shards.format import (
     DTYPES,
     KEY_RE,
@@ -154,7 +154,7 @@ class _StagedColumn:
         if self.pending:
             data = np.ascontiguousarray(np.concatenate(self.pending))
             self.hashes.update(data)
-            data.tofile(self.file)
+            write_to(self.file, data, Path(self.file.name))
             self.pending, self.pending_bytes = [], 0
 
     def finish(self) -> dict:

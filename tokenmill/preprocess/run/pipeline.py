@@ -38,7 +38,13 @@ from tokenmill.preprocess.inputs.files import (
 )
 from tokenmill.preprocess.inputs.hf import DatasetInput
 from tokenmill.preprocess.inputs.records import ON_ERROR, RecordError
-from tokenmill.preprocess.run.runlog import RunFolder, Summary, output_lock, reject_line
+from tokenmill.preprocess.run.runlog import (
+    OutputNotWritable,
+    RunFolder,
+    Summary,
+    output_lock,
+    reject_line,
+)
 from tokenmill.preprocess.run.task_output import OutputSpec, read_task_records
 from tokenmill.preprocess.run.upload import BucketOutput
 from tokenmill.shards.files import fsync_dir
@@ -104,12 +110,21 @@ class Pipeline:
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> Summary:
-        """The whole run, holding the output's lock: one run writes an output at a time."""
-        bucket_lock = self.bucket.held() if self.bucket else contextlib.nullcontext()
-        with output_lock(self._out), bucket_lock:  # a bucket output: its lock in the bucket too
+        """The whole run, holding the output's lock: one run writes an output at a time. An
+        output that cannot be written (a read-only filesystem) is still found finished, where
+        it is: the same job run again there reports its summary and writes nothing."""
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(output_lock(self._out))
+            except OutputNotWritable:
+                if self.bucket is not None or self.overwrite or read_manifest(self._out) is None:
+                    raise
+                return self._run(finished_only=True)
+            if self.bucket is not None:  # a bucket output: its lock in the bucket too
+                held.enter_context(self.bucket.held())
             return self._run()
 
-    def _run(self) -> Summary:
+    def _run(self, finished_only: bool = False) -> Summary:
         start = time.perf_counter()
         files = list_inputs(self.inputs)
         if self.engine == "ray" and any(isinstance(f, DatasetInput) for f in files):
@@ -135,9 +150,13 @@ class Pipeline:
         identities = [input_identity(f) for f in files]  # read once: the run's own view
         inputs = [[str(f), *identity] for f, identity in zip(files, identities, strict=True)]
         run_id = self._run_id(bundle.fingerprint, inputs)
-        done = self._prepare_output(run_id, inputs)
+        done = self._finished(run_id) if finished_only else self._prepare_output(run_id, inputs)
         if done is not None:
             return done
+        if finished_only:
+            raise OutputNotWritable(
+                f"{self.output_dir}: cannot write there, and the job is not done"
+            )
         run_folder = RunFolder(self._out, run_id, inputs)
         remote = self.bucket.remote if self.bucket is not None else None
         if self.bucket is not None:
@@ -234,6 +253,13 @@ class Pipeline:
             bundle = load_tokenizer(self.tokenizer_path)
             identity.append(template_identity(bundle, self.config.chat_template))
         return _sha256(orjson.dumps(identity).decode())
+
+    def _finished(self, run_id: str) -> Summary | None:
+        """The summary of this same job, finished in the output; None otherwise."""
+        manifest = read_manifest(self._out)
+        if manifest is not None and manifest.get("run_id") == run_id:
+            return Summary(**manifest["summary"])
+        return None
 
     def _prepare_output(self, run_id: str, inputs: list[list]) -> Summary | None:
         """Creates OUT, or resumes an interrupted run of the same job; a finished one is left as is."""

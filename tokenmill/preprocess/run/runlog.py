@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import os
 import shutil
 import socket
@@ -157,6 +158,10 @@ def reject_line(err: dict[str, Any]) -> bytes:
     return orjson.dumps({k: err[k] for k in fields}) + b"\n"
 
 
+class OutputNotWritable(PermissionError):
+    """The output's folder (or the one holding it) cannot be written: read-only, no rights."""
+
+
 @contextlib.contextmanager
 def output_lock(output_dir: Path) -> Iterator[None]:
     """Held for a whole run, beside the output (`.NAME.tokenmill-lock`): a second run of the same
@@ -171,6 +176,13 @@ def output_lock(output_dir: Path) -> Iterator[None]:
                 f"{output_dir}: another run is writing this output ({_holder(path)}); wait for "
                 "it to finish or stop it, then run again"
             ) from None
+        except OSError as err:
+            if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise OutputNotWritable(
+                    f"{output_dir}: cannot write there ({err.strerror}: its lock {path.name} "
+                    "cannot be made beside it); choose a folder you can write to"
+                ) from None
+            raise
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         holder = f"pid {os.getpid()} on {socket.gethostname()}, started {started}"
         os.ftruncate(fd, 0)
