@@ -5,6 +5,7 @@ for every user error."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -167,3 +168,21 @@ def test_the_console_command_prints_no_traceback(tmp_path):
     assert (
         done.stderr == f"tokenmill: error: output {tmp_path / 'a_file'} is a file, not a folder\n"
     )
+
+
+def test_an_hf_input_that_cannot_be_reached_is_one_line_and_exit_2(tmp_path):
+    """The Hub unreachable (here: its endpoint a closed port on loopback) is one line naming the
+    URL, exit 2, as the docs promise; it was a 36-frame traceback and exit 1."""
+    env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenmill", "preprocess", "hf://datasets/org/name/x.jsonl"]
+        + ["-o", str(tmp_path / "o"), "--type", "seq", "--tokenizer", str(QWEN)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokenmill: error: "), done.stderr
+    assert "hf://datasets/org/name/x.jsonl" in lines[0]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tokenmill.storage.remote import Remote, is_url
+from tokenmill.storage.remote import Remote, is_transient, is_url
 
 Parts = tuple[str, ...]  # a file's path below a folder, one name per level
 _LOST_SLASH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/[^/]")
@@ -130,13 +130,29 @@ def _list_url(url: str) -> str | Folder:
 
 @contextlib.contextmanager
 def _unreadable(url: str) -> Iterator[None]:
-    """An unreachable host, a refused connection or permission, named with the URL."""
+    """An unreachable host, a refused connection or permission, named with the URL (one line,
+    whatever library raised it: fsspec's, huggingface_hub's httpx errors)."""
     try:
         yield
     except FileNotFoundError:
         raise
-    except OSError as err:
-        raise OSError(f"{url}: cannot read: {err}") from None
+    except Exception as err:
+        if not is_transient(err) and not _from_os_error(err):
+            raise
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise OSError(f"{url}: cannot read: {why}") from None
+
+
+def _from_os_error(err: BaseException) -> bool:
+    """An OSError (an unknown host, a refused permission), or raised because of one."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _filesystem(url: str) -> tuple[Any, str]:
