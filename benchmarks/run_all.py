@@ -37,6 +37,7 @@ SCRIPTS = (
     "bench_ray",
     "bench_scale",
     "bench_remote",
+    "bench_cache",
     "bench_open",
 )
 # Keyword arguments of each main() for --quick; a script whose main() takes `quick` gets quick=True.

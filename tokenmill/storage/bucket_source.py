@@ -142,7 +142,7 @@ class BucketSource(ShardSource):
         costs a dict lookup."""
         cache, prefetcher = self.cache, self._prefetcher()
         cache.claim()  # a forked worker: its own look-ahead, not its parent's
-        budget = cache.limit * share if cache.limit is not None else None
+        budget = cache.lookahead_budget(share)  # its part of the machine's look-ahead
         sizes = self._shard_bytes()
         held = 0
         stop = None
@@ -244,13 +244,11 @@ class _MetaReader:
         rel = self.index.name(s)
         path = self.cache.dir / "meta" / rel / "meta.json"
         where = f"{self.cache.remote.where(rel)}/meta.json"
-        data = path.read_bytes() if path.is_file() else None
-        if data is None or not self._ok(s, data):
-            data = self.cache.remote.cat(f"{rel}/meta.json")
-            if not self._ok(s, data):
-                data = self.cache.remote.cat(f"{rel}/meta.json")  # once more, then refuse
-                STATS.add(refetches=1)
-                self.index.check_meta(s, data, where)
+        data = self.cache.meta_bytes(rel, partial(self._ok, s))  # once per machine
+        if data is None:
+            data = self.cache.remote.cat(f"{rel}/meta.json")  # once more, then refuse
+            STATS.add(refetches=1)
+            self.index.check_meta(s, data, where)
             _write_aside(path, data)
         return self.cache.read_meta(rel, data)
 

@@ -27,13 +27,15 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from tokenmill.shards.files import file_checksum, locked, relock
-from tokenmill.shards.format import Column
+from tokenmill.shards.format import DTYPES, OFFSET_DTYPE, Column
 from tokenmill.shards.reader import map_shard, read_meta
 from tokenmill.storage.cache_files import (
     CacheStats,
@@ -43,15 +45,19 @@ from tokenmill.storage.cache_files import (
     meta_ok,
     read_checked,
     shard_files,
+    shard_rows,
     write_checked,
 )
-from tokenmill.storage.eviction import evict, usage
+from tokenmill.storage.eviction import CacheIndex
 from tokenmill.storage.remote import STATS, Remote
 
 log = logging.getLogger("tokenmill.cache")
 
 ATTEMPTS = 3  # opens of one shard before giving up on a cache that keeps changing under us
 SEEN_S = 1.0  # a shard known present is looked at (and marked used) again after this long
+LOOKAHEAD_SHARE = 0.5  # of the limit, for the shards every process of the machine reads next
+WAIT_S = 0.05  # between two tries for room while other downloads are under way
+RANGE_RATIO = 64  # rows read by byte ranges, not a download, when under 1/64 of a shard's
 
 
 def default_cache_dir() -> Path:
@@ -79,12 +85,14 @@ class ShardCache:
         self._stats = CacheStats()
         self._pid = os.getpid()
         self._warned = False
+        self.index = CacheIndex(self.root)  # the machine's: shards, downloads, claims
         # this process's record of the shards it knows whole in the cache (rel -> when last
-        # seen there, monotonic); of those its sample order reads next (never evicted); and
-        # of those it reads after them (rel -> how soon: evicted last, the latest first)
+        # seen there, monotonic); of those its sample order reads next (evicted only when
+        # nothing else can go); and of those it reads after them (rel -> how soon: evicted
+        # after the unclaimed ones, the latest first); both published to the index
         self.present: dict[str, float] = {}
-        self.keep: set[str] = set()
-        self.later: dict[str, int] = {}
+        self._keep: set[str] = set()
+        self._later: dict[str, int] = {}
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -94,7 +102,7 @@ class ShardCache:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._stats, self._pid = CacheStats(), os.getpid()
-        self.present, self.keep, self.later = {}, set(), {}
+        self.present, self._keep, self._later = {}, set(), {}
 
     @property
     def counts(self) -> CacheStats:
@@ -105,13 +113,78 @@ class ShardCache:
         """A forked worker counts its own, and keeps none of its parent's look-ahead."""
         if self._pid != os.getpid():
             self._stats, self._pid = CacheStats(), os.getpid()
-            self.keep, self.later = set(), {}
+            self._keep, self._later = set(), {}
+
+    # --- the look-ahead, machine-wide -------------------------------------------------------
+    @property
+    def keep(self) -> set[str]:
+        return self._keep
+
+    @keep.setter
+    def keep(self, rels: set[str]) -> None:
+        """The shards this process reads next: claimed in the machine's index, so that no
+        process evicts them while anything else can go."""
+        self.claim()
+        if rels != self._keep:
+            self._keep = set(rels)
+            self._publish()
+
+    @property
+    def later(self) -> dict[str, int]:
+        return self._later
+
+    @later.setter
+    def later(self, ranks: dict[str, int]) -> None:
+        """The shards this process reads after `keep` (shard -> how soon): claimed in the
+        index, evicted after the unclaimed ones, the one read last first."""
+        self.claim()
+        if ranks != self._later:
+            self._later = dict(ranks)
+            self._publish()
+
+    def _publish(self) -> None:
+        if self.limit is not None:
+            self.index.claim(self.dir, self._keep, self._later)
+
+    def lookahead_budget(self, share: float) -> float | None:
+        """The bytes this process may fetch ahead of its reads: `share` of the limit, and
+        at most its part of the machine's LOOKAHEAD_SHARE, split between every live process
+        that fetches ahead into this cache folder (8 ranks claim half the limit in all, not
+        4 times it); None without a limit."""
+        if self.limit is None:
+            return None
+        return min(self.limit * share, self.limit * LOOKAHEAD_SHARE / self.index.lookers())
 
     # --- metadata ------------------------------------------------------------------------
     def metas(self, listed: list[tuple[str, dict]]) -> list[tuple[str, bytes]]:
         """(shard, meta.json bytes) of every listed shard: from the cache, else fetched at
         once (concurrently); each checked against the manifest's meta_xxh64."""
         self._write_once(self.dir / "manifest.json", self.manifest_bytes)
+        missing = self._cached_metas(listed, {})
+        if not missing:
+            return self._metas_in_cache(listed)
+        with locked(self.dir / "locks" / "metas.lock"):  # one process of the machine fetches
+            return self._fetch_metas(listed)
+
+    def _metas_in_cache(self, listed: list[tuple[str, dict]]) -> list[tuple[str, bytes]]:
+        out: dict[str, bytes] = {}
+        self._cached_metas(listed, out)
+        return [(rel, out[rel]) for rel, _ in listed]
+
+    def _cached_metas(self, listed: list[tuple[str, dict]], out: dict[str, bytes]) -> list[str]:
+        """The shards whose meta.json the cache lacks (or holds not as listed); `out` gets
+        the others'."""
+        missing = []
+        for rel, info in listed:
+            path = self.dir / "meta" / rel / "meta.json"
+            data = path.read_bytes() if path.is_file() else None
+            if data is not None and meta_ok(data, info):
+                out[rel] = data
+            else:
+                missing.append(rel)
+        return missing
+
+    def _fetch_metas(self, listed: list[tuple[str, dict]]) -> list[tuple[str, bytes]]:
         out: dict[str, bytes] = {}
         missing = []
         for rel, info in listed:
@@ -136,6 +209,25 @@ class ShardCache:
             self._write_once(self.dir / "meta" / rel / "meta.json", data)
             out[rel] = data
         return [(rel, out[rel]) for rel, _ in listed]
+
+    def meta_bytes(self, rel: str, ok: Callable[[bytes], bool]) -> bytes | None:
+        """A shard's meta.json from the cache; where the cache lacks it (or `ok` refuses
+        it), fetched into it once per machine: under the shard's meta lock, looked for again
+        first. None if what is fetched is still refused (the caller fetches once more and
+        says why)."""
+        path = self.dir / "meta" / rel / "meta.json"
+        data = path.read_bytes() if path.is_file() else None
+        if data is not None and ok(data):
+            return data
+        with locked(lock_file(self.dir, f"{rel}/meta.json")):
+            data = path.read_bytes() if path.is_file() else None
+            if data is not None and ok(data):
+                return data
+            data = self.remote.cat(f"{rel}/meta.json")
+            if not ok(data):
+                return None
+            self._write_once(path, data)
+            return data
 
     def read_meta(self, rel: str, data: bytes) -> dict:
         """A shard's meta.json (these bytes), checked as the shard reader checks a local one."""
@@ -192,7 +284,7 @@ class ShardCache:
         """Whether this process knows a shard whole in the cache: a dict lookup. Where the
         cache has a limit (shards may be evicted, by any process), a shard not seen for
         `SEEN_S` is looked at again and marked as just used (one utime), so that the least
-        recently used go first and the shards about to be read last."""
+        recently used go first and the shards about to be read last (in the machine's index)."""
         seen = self.present.get(rel)
         if seen is None:
             return False
@@ -201,11 +293,10 @@ class ShardCache:
         now = time.monotonic()
         if now - seen < SEEN_S:
             return True
-        try:
-            os.utime(self.dir / "shards" / rel)
-        except FileNotFoundError:  # evicted (by another process) or removed
+        if not (self.dir / "shards" / rel).is_dir():  # evicted (by another process) or removed
             self.present.pop(rel, None)
             return False
+        self.index.touch(self.dir, rel, time.time())
         self.present[rel] = now
         return True
 
@@ -229,7 +320,7 @@ class ShardCache:
         else:
             self.counts.add(hits=1)
         if files:
-            os.utime(shard)  # least recently used goes first
+            self.index.touch(self.dir, rel, time.time())  # least recently used goes first
         return shard
 
     def _check(self, shard: Path, files: list[tuple]) -> list[tuple]:
@@ -263,7 +354,7 @@ class ShardCache:
         shard.mkdir(parents=True, exist_ok=True)
         for stale in shard.glob(".*.tmp-*"):  # a killed download's (we hold the lock)
             stale.unlink(missing_ok=True)
-        self._make_room(sum(size for _, size, _ in files), keep=shard)
+        self._make_room(rel, sum(size for _, size, _ in files))
         tag = f"{os.getpid()}-{threading.get_ident()}"
         temps = {name: shard / f".{name}.tmp-{tag}" for name, _, _ in files}
         todo = list(files)
@@ -298,44 +389,95 @@ class ShardCache:
         finally:
             for tmp in temps.values():
                 tmp.unlink(missing_ok=True)
+            self.index.landed(self.dir, rel, time.time())  # the reservation, now the shard
         self.counts.add(downloads=1, download_bytes=sum(size for _, size, _ in files))
         self._save_stats()
 
     # --- locks ---------------------------------------------------------------------------
+    # --- ranged reads --------------------------------------------------------------------
+    def ranged_pays(self, rel: str, meta: dict, rows: int) -> bool:
+        """Whether reading `rows` rows of a shard by byte ranges pays better than downloading
+        it whole: it is not in the cache, the cache is full (a download would evict), no
+        process of the machine reads it soon (none claims it), and the rows are under
+        1/RANGE_RATIO of its rows (a few KB of a 225 MB shard)."""
+        if self.limit is None or rows * RANGE_RATIO > shard_rows(meta):
+            return False
+        if rel in self.present or (self.dir / "shards" / rel).is_dir():
+            return False
+        size = sum(n for _, n, _ in shard_files(meta))
+        return self.index.unwanted(self.dir, rel, size, self.limit)
+
+    def read_rows(self, rel: str, meta: dict, keys: list[str], begin: int, end: int) -> dict:
+        """Rows [begin, end) of some keys of a shard, read from the bucket by byte ranges
+        (a round trip per level of bounds: offsets, items, values), not cached: Columns with
+        the rows' values and their bounds from 0, as a slice of the mapped shard gives them.
+        A range is checked by its size only (a file's xxh64 covers the whole file)."""
+        for key in keys:
+            rows = shard_rows({key: meta[key]})
+            if not 0 <= begin <= end <= rows:
+                raise ValueError(
+                    f"{self.remote.where(rel)}: rows {begin}..{end} of key {key!r}: it has {rows}"
+                )
+        spans = {key: (begin, end) for key in keys}
+        bounds: dict[str, dict[str, np.ndarray]] = {key: {} for key in keys}
+        for part in ("offsets", "items"):
+            ranges, wanted = [], []
+            for key in keys:
+                entry, (lo, hi) = meta[key].get(part), spans[key]
+                if isinstance(entry, list):  # inline (seed-style): in meta.json
+                    bounds[key][part] = np.asarray(entry[lo : hi + 1], OFFSET_DTYPE)
+                elif isinstance(entry, dict):
+                    size = OFFSET_DTYPE.itemsize
+                    ranges.append((f"{rel}/{entry['file']}", lo * size, (hi + 1) * size))
+                    wanted.append(key)
+            for key, data in zip(wanted, self.remote.cat_ranges(ranges)):
+                bounds[key][part] = np.frombuffer(data, OFFSET_DTYPE)
+            for key in keys:
+                got = bounds[key].get(part)
+                if got is not None:
+                    spans[key] = (int(got[0]), int(got[-1]))
+        ranges = []
+        for key in keys:
+            size, (lo, hi) = DTYPES[meta[key]["dtype"]].itemsize, spans[key]
+            ranges.append((f"{rel}/{key}.bin", lo * size, hi * size))
+        columns = {}
+        for key, data in zip(keys, self.remote.cat_ranges(ranges)):
+            rebased = {part: b - b[0] for part, b in bounds[key].items()}
+            values = np.frombuffer(data, DTYPES[meta[key]["dtype"]])
+            columns[key] = Column(values, rebased.get("offsets"), rebased.get("items"))
+        return columns
+
     def _locked(self, rel: str, exclusive: bool, wait: bool = True) -> AbstractContextManager[int]:
         """Shard `rel`'s lock (made again where the cache folder was removed)."""
         return locked(lock_file(self.dir, rel), exclusive, wait)
 
     # --- eviction ------------------------------------------------------------------------
-    def _make_room(self, need: int, keep: Path) -> None:
-        """Evicts the least recently used shards (of any dataset in the folder) until `need`
-        more bytes fit under the limit; shards being read or downloaded are skipped, and so
-        are this process's `keep` (the shards its sample order reads next)."""
+    def _make_room(self, rel: str, need: int) -> None:
+        """Room for `need` more bytes of shard `rel` under the limit, machine-wide (the
+        index's `reserve`): evicts the least recently used unclaimed shards (of any dataset
+        in the folder) first; waits while other downloads are under way and nothing else can
+        go; passes the limit (and says so, once) only when every shard left is being read."""
         if self.limit is None:
             return
-        shards = self.dir / "shards"
         self.claim()
-        kept = {keep, *(shards / rel for rel in self.keep)}
-        later = {shards / rel: rank for rel, rank in self.later.items()}
-        evicted, total = evict(self.root, self.limit, need, kept, later)
-        for dataset, rel in evicted:
-            if dataset == self.dir:
-                self.present.pop(rel, None)
-        if evicted:
-            self.counts.add(evictions=len(evicted))
-        if total + need > self.limit and not self._warned:
+        while True:
+            evicted, state = self.index.reserve(self.dir, rel, need, self.limit)
+            for dataset, gone in evicted:
+                if dataset == self.dir.name:
+                    self.present.pop(gone, None)
+            if evicted:
+                self.counts.add(evictions=len(evicted))
+            if state != "wait":
+                break
+            time.sleep(WAIT_S)
+        if state == "over" and not self._warned:
             self._warned = True
             log.warning(
-                "%s: the cache holds %d bytes in shards being read; the limit of %d is passed "
-                "until they are released",
+                "%s: every shard left in the cache is being read; its limit of %d bytes is "
+                "passed until they are released",
                 self.root,
-                total + need,
                 self.limit,
             )
-
-    def usage(self) -> list[tuple[float, Path, Path, int]]:
-        """(last use, shard folder, its dataset folder, bytes) of every shard in the folder."""
-        return usage(self.root)
 
     # --- counters ------------------------------------------------------------------------
     def _save_stats(self) -> None:
@@ -352,9 +494,16 @@ class ShardCache:
     def stats(self) -> dict[str, int]:
         """Counts summed over every process that used this dataset's cache (DataLoader
         workers and ranks of the machine, since the cache folder was made): downloads,
-        bytes, evictions, refetched files, retries of transient errors (remote_retries), ..."""
+        bytes, evictions, refetched files, retries of transient errors (remote_retries), ...;
+        and the whole folder's bytes from its index: cached (cache_bytes), downloads under
+        way (cache_reserved), the most the two ever held together (cache_peak)."""
         self._save_stats()
-        total: dict[str, int] = {}
+        index = self.index.totals()
+        total: dict[str, int] = {
+            "cache_bytes": index["bytes"],
+            "cache_reserved": index["reserved"],
+            "cache_peak": index["peak"],
+        }
         for path in (self.dir / "stats").glob("*.json"):
             try:
                 for k, v in json.loads(path.read_text()).items():

@@ -36,6 +36,17 @@ def shard_files(meta: dict, keys: list[str] | None = None, values: bool = True) 
     return files
 
 
+def shard_rows(meta: dict) -> int:
+    """A shard's rows (records): its first key's offsets, or values where it has none."""
+    entry = next(iter(meta.values()))
+    bounds = entry.get("offsets")
+    if isinstance(bounds, dict):
+        return int(bounds["count"]) - 1
+    if isinstance(bounds, list):
+        return len(bounds) - 1
+    return int(entry["shape"][0])
+
+
 def lock_file(dataset: Path, rel: str) -> Path:
     """The file whose lock (`shards.files.locked`) guards shard `rel` of a cached dataset:
     readers hold it shared, a download and an eviction exclusive."""

@@ -37,13 +37,15 @@ def is_url(path: Any) -> bool:
 @dataclass
 class RemoteStats:
     """What this process's remote calls did: retries of transient errors, calls that failed
-    after every retry, objects fetched again after a checksum mismatch, bytes moved."""
+    after every retry, objects fetched again after a checksum mismatch, bytes moved, byte
+    ranges read."""
 
     retries: int = 0
     failures: int = 0
     refetches: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
+    ranges: int = 0  # byte ranges read (`cat_ranges`)
 
     def add(self, **counts: int) -> None:
         with _STATS_LOCK:
@@ -233,6 +235,30 @@ class Remote:
         retrying_each(f"get {len(rels)} objects of {self.url}", list(rels), batch)
         STATS.add(bytes_down=sum(len(d) for d in out.values()))
         return {rel: out[rel] for rel in rels}
+
+    def cat_ranges(self, ranges: list[tuple[str, int, int]]) -> list[bytes]:
+        """Byte ranges [start, end) of objects (HTTP range GETs, concurrent where the
+        filesystem can): a few rows of a large shard without downloading it. Each range
+        must come back whole (a short one raises naming the object)."""
+        if not ranges:
+            return []
+        paths = [self.path(rel) for rel, _, _ in ranges]
+        starts = [start for _, start, _ in ranges]
+        ends = [end for _, _, end in ranges]
+        what = f"get {len(ranges)} byte ranges of {self.url}"
+        got = retrying(what, lambda: self.fs.cat_ranges(paths, starts, ends))
+        out = []
+        for (rel, start, end), data in zip(ranges, got):
+            if isinstance(data, Exception):
+                raise data
+            if len(data) != end - start:
+                raise ValueError(
+                    f"{self.where(rel)}: bytes {start}..{end} came back as {len(data)} bytes; "
+                    "the object is shorter than its meta.json says"
+                )
+            out.append(bytes(data))
+        STATS.add(bytes_down=sum(len(d) for d in out), ranges=len(out))
+        return out
 
     def exists(self, rel: str) -> bool:
         return bool(retrying(f"stat {self.where(rel)}", lambda: self.fs.exists(self.path(rel))))
