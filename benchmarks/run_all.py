@@ -38,6 +38,7 @@ SCRIPTS = (
     "bench_scale",
     "bench_remote",
     "bench_cache",
+    "bench_bucket_shuffle",
     "bench_open",
 )
 # Keyword arguments of each main() for --quick; a script whose main() takes `quick` gets quick=True.
