@@ -186,14 +186,7 @@ class ShardCache:
 
     def _fetch_metas(self, listed: list[tuple[str, dict]]) -> list[tuple[str, bytes]]:
         out: dict[str, bytes] = {}
-        missing = []
-        for rel, info in listed:
-            path = self.dir / "meta" / rel / "meta.json"
-            data = path.read_bytes() if path.is_file() else None
-            if data is not None and meta_ok(data, info):
-                out[rel] = data
-            else:
-                missing.append(rel)
+        missing = self._cached_metas(listed, out)  # again: another process may have fetched
         fetched = self.remote.cat_many([f"{rel}/meta.json" for rel in missing])
         wanted = dict(listed)
         for rel in missing:

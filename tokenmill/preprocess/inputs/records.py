@@ -108,14 +108,8 @@ def _read_jsonl(path: InputPath, on_error: OnError) -> Iterator[Record]:
     source = str(path)
     with open_bytes(path) as stream:
         for line, raw in _numbered_lines(stream, path, on_error):
-            if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
-                continue
-            try:
-                data = parse_line(raw, source, line)
-            except RecordError as err:
-                _report(err, on_error)
-                continue
-            yield Record(source, line, data)
+            if (record := _line_record(raw, source, line, on_error)) is not None:
+                yield record
 
 
 _COUNT_BYTES = 16 << 20
@@ -145,14 +139,19 @@ def read_jsonl_range(path: InputPath, start: int, end: int, on_error: OnError) -
                 return
             line += 1
             position += len(raw)
-            if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
-                continue
-            try:
-                data = parse_line(raw, source, line)
-            except RecordError as err:
-                _report(err, on_error)
-                continue
-            yield Record(source, line, data)
+            if (record := _line_record(raw, source, line, on_error)) is not None:
+                yield record
+
+
+def _line_record(raw: bytes, source: str, line: int, on_error: OnError) -> Record | None:
+    """A JSONL line's record; None for a blank line, or a bad one reported to `on_error`."""
+    if raw[:1] in b" \t\r\n" and not raw.strip(b" \t\r\n"):
+        return None
+    try:
+        return Record(source, line, parse_line(raw, source, line))
+    except RecordError as err:
+        _report(err, on_error)
+        return None
 
 
 def parse_line(raw: bytes, source: str, line: int) -> dict:
