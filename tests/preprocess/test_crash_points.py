@@ -159,3 +159,29 @@ def test_a_run_killed_again_and_again_even_while_resuming_ends_in_the_clean_byte
     assert kills >= 3
     assert files_of(out) == files_of(clean) and manifest_of(out) == manifest_of(clean)
     assert verify_dataset(out) == []
+
+
+def test_temp_files_a_kill_left_between_write_and_rename_are_cleared_on_resume(tmp_path):
+    """SIGKILL between a temp file's write and its rename (which the write points above do
+    not reach) leaves `NAME.tmp-PID` files: the resumed run clears them, ending clean."""
+    lines = (ROOT / "data" / "chat_sharegpt_1000.jsonl").read_text().split("\n")
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(line + "\n" for line in lines[:24] if line))
+    data = default_config("sft").model_dump(mode="json")
+    data["preprocessing"].update(batch_size=6, task_bytes=src.stat().st_size // 3)
+    data["output"]["max_tokens_per_shard"] = 8_000
+    config = PipelineConfig.from_dict(data)
+    clean = tmp_path / "clean"
+    writes = run(clean, src, config)
+    out = tmp_path / "out"
+    assert run(out, src, config, crash_at=writes // 2) == 9
+    for rel in (
+        "shards.index",
+        "manifest.json",
+        "rejects.jsonl",
+        ".tokenmill-run/tasks/00002.json",
+    ):
+        (out / f"{rel}.tmp-999999").write_bytes(b"half")
+    run(out, src, config)
+    assert files_of(out) == files_of(clean) and manifest_of(out) == manifest_of(clean)
+    assert verify_dataset(out) == []

@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -45,7 +45,7 @@ from tokenmill.preprocess.run.runlog import (
     output_lock,
     reject_line,
 )
-from tokenmill.preprocess.run.task_output import OutputSpec, read_task_records
+from tokenmill.preprocess.run.task_output import TASKS, OutputSpec, read_task_records
 from tokenmill.preprocess.run.upload import BucketOutput
 from tokenmill.shards.files import fsync_dir
 from tokenmill.shards.format import RUN_DIR, TMP_MARK, is_shard_name, natural_key
@@ -153,6 +153,9 @@ class Pipeline:
         done = self._finished(run_id) if finished_only else self._prepare_output(run_id, inputs)
         if done is not None:
             return done
+        # a kill between a temp file's write and its rename leaves it: a task redone rewrites
+        # its own shards; the index, rejects, manifest and records are written again whole
+        self._remove_where(lambda path: TMP_MARK in path.name)
         if finished_only:
             raise OutputNotWritable(
                 f"{self.output_dir}: cannot write there, and the job is not done"
@@ -294,14 +297,20 @@ class Pipeline:
     def _remove_output(self) -> None:
         """Every shard, part and temp file in the output and its domain folders (a bucket's
         are the BucketOutput's to remove)."""
+        self._remove_where(lambda path: is_shard_name(path.name.split(TMP_MARK)[0]))
+
+    def _remove_where(self, picked: Callable[[Path], bool]) -> None:
+        """What `picked` picks in the output folder, its domain folders and its task records'
+        folder; domain folders left empty go too."""
         if self.bucket is not None:
             return
         ours = lambda path: is_shard_name(path.name.split(TMP_MARK)[0])  # noqa: E731
         domains = [p for p in self._out.iterdir() if p.is_dir() and p.name != RUN_DIR]
-        for folder in (self._out, *(d for d in domains if not ours(d))):
-            for path in [p for p in folder.iterdir() if ours(p)]:
+        tasks = self._out / TASKS
+        for folder in (self._out, tasks, *(d for d in domains if not ours(d))):
+            for path in [p for p in folder.iterdir() if picked(p)] if folder.is_dir() else []:
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
-            if folder != self._out and not any(folder.iterdir()):
+            if folder not in (self._out, tasks) and not any(folder.iterdir()):
                 folder.rmdir()
 
     def _manifest(
