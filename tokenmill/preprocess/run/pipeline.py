@@ -153,13 +153,13 @@ class Pipeline:
         done = self._finished(run_id) if finished_only else self._prepare_output(run_id, inputs)
         if done is not None:
             return done
-        # a kill between a temp file's write and its rename leaves it: a task redone rewrites
-        # its own shards; the index, rejects, manifest and records are written again whole
-        self._remove_where(lambda path: TMP_MARK in path.name)
         if finished_only:
             raise OutputNotWritable(
                 f"{self.output_dir}: cannot write there, and the job is not done"
             )
+        # a kill between a temp file's write and its rename leaves it: a task redone rewrites
+        # its own shards; the index, rejects, manifest and records are written again whole
+        self._remove_where(lambda path: TMP_MARK in path.name)
         run_folder = RunFolder(self._out, run_id, inputs)
         remote = self.bucket.remote if self.bucket is not None else None
         if self.bucket is not None:
