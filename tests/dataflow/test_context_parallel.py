@@ -364,7 +364,7 @@ def test_context_parallel_ranks_under_torchrun_gather_their_groups_batches(
     for dp_rank in range(2):
         want = list(torchrun_loader(chats, PackedCollator(), dp_rank))
         for cp_rank in range(2):
-            got = torch.load(tmp_path / f"gathered_{dp_rank}_{cp_rank}.pt")
+            got = torch.load(tmp_path / f"gathered_{dp_rank}_{cp_rank}.pt", weights_only=True)
             assert len(got) == len(want) > 0
             for batch, expected in zip(got, want, strict=True):
                 assert_same(batch, expected)

@@ -5,7 +5,7 @@ alike; one file lock and one manifest parser serve every caller."""
 
 from __future__ import annotations
 
-import pickle
+import copy
 from pathlib import Path
 
 import fsspec
@@ -43,6 +43,12 @@ def shards(tmp_path: Path) -> Path:
     return write_sft_rows(tmp_path / "data", 0, rows=20, lengths=(2, 12), shard=30)
 
 
+def travelled(obj):
+    """`obj` as a DataLoader worker rebuilds it: its own reduction (`__reduce_ex__`, state and
+    all), which `copy.deepcopy` follows as unpickling does, without bytes to trust."""
+    return copy.deepcopy(obj)
+
+
 # --- shard sources ------------------------------------------------------------------------------
 def test_a_folder_source_reads_the_shards_where_they_lie_and_travels_as_paths(shards):
     source = open_source(shards)
@@ -52,7 +58,7 @@ def test_a_folder_source_reads_the_shards_where_they_lie_and_travels_as_paths(sh
     assert sorted(source.open(0)) == ["loss_mask", "position_ids", "sequence"]
     assert source.prefetch_items({0: 0}, (), 0.5) is None and source.stats() == {}
     assert source.fits_cache() and not source.all_cached() and source.verify() == []
-    copy = pickle.loads(pickle.dumps(source))  # how a DataLoader worker gets it: our own bytes
+    copy = travelled(source)
     assert copy.shards == source.shards and copy.root == shards
     store = MmapStore().load(shards)
     assert isinstance(store.source, FolderSource) and store.root == shards
@@ -60,10 +66,10 @@ def test_a_folder_source_reads_the_shards_where_they_lie_and_travels_as_paths(sh
 
 
 def test_a_truncated_file_is_found_again_wherever_a_source_is_sent(shards):
-    data = pickle.dumps(open_source(shards))  # a worker's copy, made here, loaded below
+    source = open_source(shards)
     (shards / "shard_00001" / "sequence.bin").write_bytes(b"\0")
     with pytest.raises(ValueError, match=r"shard_00001/sequence\.bin: key 'sequence': 1 bytes"):
-        pickle.loads(data)
+        travelled(source)  # rebuilt where it is sent, as a worker rebuilds it
 
 
 def test_which_source_a_path_takes(shards, tmp_path):
@@ -168,7 +174,7 @@ def test_a_bucket_source_travels_without_its_threads_and_reads_the_same(
     assert store.source.prefetches and store.source.opens_keys_alone
     first = store.fetch(*store.window_at(3), "sequence")  # starts the prefetch threads
     assert "_prefetch_threads" in store.source.__dict__
-    copy = pickle.loads(pickle.dumps(store))  # as a DataLoader worker gets it: our own bytes
+    copy = travelled(store)
     assert "_prefetch_threads" not in copy.source.__dict__ and not copy._opened
     assert torch.equal(copy.fetch(*copy.window_at(3), "sequence"), first)
     assert (
