@@ -100,15 +100,23 @@ def manifest_of(root: Path) -> dict:
     return {k: v for k, v in manifest.items() if k not in ("run_id", "inputs", "tokenizer_path")}
 
 
-@pytest.mark.parametrize("storage", ["bin", "jsonl"])
-def test_a_run_killed_before_any_of_its_writes_resumes_to_the_clean_bytes(tmp_path, storage):
+def chat_job(
+    tmp_path: Path, records: int, batch_size: int, tasks: int, shard_tokens: int, storage="bin"
+) -> tuple[Path, PipelineConfig]:
+    """The first `records` shipped chats, and an sft config cutting them into about `tasks`
+    tasks, chunks of `batch_size` and shards of `shard_tokens` tokens."""
     lines = (ROOT / "data" / "chat_sharegpt_1000.jsonl").read_text().split("\n")
     src = tmp_path / "chat.jsonl"
-    src.write_text("".join(line + "\n" for line in lines[:24] if line))
+    src.write_text("".join(line + "\n" for line in lines[:records] if line))
     data = default_config("sft").model_dump(mode="json")
-    data["preprocessing"].update(batch_size=6, task_bytes=src.stat().st_size // 3)
-    data["output"].update(max_tokens_per_shard=8_000, storage_format=storage)
-    config = PipelineConfig.from_dict(data)
+    data["preprocessing"].update(batch_size=batch_size, task_bytes=src.stat().st_size // tasks)
+    data["output"].update(max_tokens_per_shard=shard_tokens, storage_format=storage)
+    return src, PipelineConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("storage", ["bin", "jsonl"])
+def test_a_run_killed_before_any_of_its_writes_resumes_to_the_clean_bytes(tmp_path, storage):
+    src, config = chat_job(tmp_path, 24, batch_size=6, tasks=3, shard_tokens=8_000, storage=storage)
     clean = tmp_path / "clean"
     writes = run(clean, src, config)
     assert writes > 20 and verify_dataset(clean) == []
@@ -130,13 +138,7 @@ def test_a_run_killed_again_and_again_even_while_resuming_ends_in_the_clean_byte
     import subprocess
     import time
 
-    lines = (ROOT / "data" / "chat_sharegpt_1000.jsonl").read_text().split("\n")
-    src = tmp_path / "chat.jsonl"
-    src.write_text("".join(line + "\n" for line in lines[:600] if line))
-    data = default_config("sft").model_dump(mode="json")
-    data["preprocessing"].update(batch_size=8, task_bytes=src.stat().st_size // 10)
-    data["output"]["max_tokens_per_shard"] = 20_000
-    config = PipelineConfig.from_dict(data)
+    src, config = chat_job(tmp_path, 600, batch_size=8, tasks=10, shard_tokens=20_000)
     cfg_path = tmp_path / "sft.json"
     cfg_path.write_text(config.model_dump_json())
     clean = tmp_path / "clean"
@@ -164,13 +166,7 @@ def test_a_run_killed_again_and_again_even_while_resuming_ends_in_the_clean_byte
 def test_temp_files_a_kill_left_between_write_and_rename_are_cleared_on_resume(tmp_path):
     """SIGKILL between a temp file's write and its rename (which the write points above do
     not reach) leaves `NAME.tmp-PID` files: the resumed run clears them, ending clean."""
-    lines = (ROOT / "data" / "chat_sharegpt_1000.jsonl").read_text().split("\n")
-    src = tmp_path / "chat.jsonl"
-    src.write_text("".join(line + "\n" for line in lines[:24] if line))
-    data = default_config("sft").model_dump(mode="json")
-    data["preprocessing"].update(batch_size=6, task_bytes=src.stat().st_size // 3)
-    data["output"]["max_tokens_per_shard"] = 8_000
-    config = PipelineConfig.from_dict(data)
+    src, config = chat_job(tmp_path, 24, batch_size=6, tasks=3, shard_tokens=8_000)
     clean = tmp_path / "clean"
     writes = run(clean, src, config)
     out = tmp_path / "out"

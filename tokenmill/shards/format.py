@@ -42,7 +42,7 @@ STORAGE_FORMATS: tuple[str, ...] = get_args(StorageFormat)
 
 
 TMP_MARK = ".tmp-"
-RUN_DIR = ".tokenmill-run"  # a run in progress: its journal; gone once the manifest lands
+RUN_DIR = ".tokenmill-run"  # a run in progress: its tasks' records; gone once the manifest lands
 
 
 KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")

@@ -1,11 +1,11 @@
 """Writing shards: records in, complete shards out, never a torn one.
 
 A shard is staged in a temp folder (arrays, offsets, fsync, `meta.json` last) and renamed
-into place; `ShardCutter` decides where shards end from token counts alone, so the local
-writer and the Ray engine's planner cut the same shards. `ShardWriter` streams each row to its
-shard's temp files as it comes (`StagedShard`), so its memory does not grow with the shard.
-`ShardSpec` is what a domain's writer is told: the local writer, the Ray engine's writer and
-its write tasks all take one.
+into place; `ShardCutter` decides where shards end from token counts alone, so every
+preprocessing task cuts its shards by the same rule, on any engine. `ShardWriter` streams
+each row to its shard's temp files as it comes (`StagedShard`), so its memory does not grow
+with the shard. `ShardSpec` is what a domain's writer is told (its folder, layout, limit
+and the task that names its shards).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ class StagedShard:
 class ShardCutter:
     """Where shards end, from token counts alone: a shard closes before a record that would take it
     past `max_tokens` and as soon as it reaches `max_tokens`, so only a record that alone exceeds
-    the limit gets a shard above it. ShardWriter follows it; the Ray engine plans with it."""
+    the limit gets a shard above it. ShardWriter follows it."""
 
     def __init__(self, max_tokens: int):
         if max_tokens < 1:
@@ -353,7 +353,7 @@ class ShardWriter:
 
     def stage(self) -> tuple[Path, dict]:
         """Writes the open shard into its temp place beside its final one, not yet published;
-        returns (temp, the shard's info). The Ray engine's write tasks stage, its driver publishes."""
+        returns (temp, the shard's info), for `_flush` to publish."""
         name = shard_name(self.index, self.storage_format, self.spec.task)
         final = self.domain_dir / name
         self.domain_dir.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,7 @@ def _list_local(path: Path) -> Path | Folder:
 
 
 def _check_name(path: Path) -> None:
-    """A name that is not valid UTF-8 is refused: the manifest and the journal record it."""
+    """A name that is not valid UTF-8 is refused: the manifest and the tasks' records name it."""
     try:
         str(path).encode("utf-8")
     except UnicodeEncodeError:

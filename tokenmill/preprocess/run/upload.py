@@ -67,9 +67,6 @@ class BucketOutput:
     def __str__(self) -> str:
         return self.url
 
-    def rel(self, domain: str, name: str = "") -> str:
-        return "/".join(p for p in (domain, name) if p)
-
     # --- before the run ------------------------------------------------------------------
     def prepare(self, run_id: str, inputs: list[list], overwrite: bool) -> Summary | None:
         """The bucket side of Pipeline._prepare_output: a fresh staging folder, and the
