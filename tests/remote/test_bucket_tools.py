@@ -170,6 +170,18 @@ def test_a_stale_lock_is_taken_over_and_its_run_stops_before_commit(
     dead.release()
 
 
+def test_late_heartbeats_do_not_lose_a_lock_nobody_took(options, bucket):
+    """On a loaded machine the heartbeat can be late past the stale time: the commit's check
+    reads the lock back and goes on while it is still this run's write."""
+    lock = BucketLock(Remote(f"s3://{bucket}/late", options), stale_s=0.0, heartbeat_s=3600)
+    lock.acquire()
+    lock.refreshed -= 10.0  # ten stale times without a heartbeat
+    lock.check(server=True)
+    assert not lock.lost
+    lock.release()
+    assert not Remote(f"s3://{bucket}/late", options).exists(LOCK)
+
+
 def test_refreshes_racing_each_other_never_lose_the_lock(options, bucket):
     """The run's own write and its heartbeat's at once: one If-Match fails on the other's new
     ETag, and the lock, still naming this run, stays held."""

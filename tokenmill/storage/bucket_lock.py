@@ -188,15 +188,21 @@ class BucketLock:
         )
 
     def check(self, server: bool = False) -> None:
-        """Raises if this run may no longer hold the lock: taken over, or not refreshed for
-        `stale_s` (another run may have taken it meanwhile). `server`: the lock read back too
-        (before the commit)."""
-        if not self.lost and time.monotonic() - self.refreshed > self.stale_s:
-            self.lost = True  # heartbeats kept failing: another run may hold it now
-        if not self.lost and server and self._s3:
+        """Raises if this run may no longer hold the lock. `server`: judged by the lock read
+        back (before the commit): held while it is still this run's write, however long the
+        heartbeats were late (a loaded machine); otherwise by age: not refreshed for
+        `stale_s`, another run may have taken it meanwhile."""
+        if not self.lost and server:
             with self._writing:  # not while a heartbeat's write changes the ETag
                 found = self._read()
-                self.lost = found is None or found[1] != self.etag
+                if self._s3:
+                    self.lost = found is None or found[1] != self.etag
+                else:
+                    self.lost = found is None or not self._ours(found[0])
+                if not self.lost:
+                    self.refreshed = time.monotonic()
+        elif not self.lost and time.monotonic() - self.refreshed > self.stale_s:
+            self.lost = True  # heartbeats kept failing: another run may hold it now
         if self.lost:
             raise RuntimeError(
                 f"{self.remote.where(LOCK)}: this run no longer holds the prefix's lock (taken "
