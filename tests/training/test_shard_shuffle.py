@@ -127,6 +127,18 @@ def test_shard_order_is_pinned_and_keeps_each_canonical_stream_in_its_shards():
     assert order[1::2].tolist() == [1] * 5 + [0] * 5
 
 
+def test_the_layout_keeps_runs_of_window_consecutive_shards_together():
+    """A seq window past its shard's end reads the next shard: laid out beside it, that
+    shard is most often on the same machine already (bench_bucket_shuffle: 1.84x -> 1.27x)."""
+    layout = ShardLayout(np.arange(0, 60, 5), groups=1, window=3)  # 11 shards of 5 items
+    shards, _ = layout.slots(seed=42, epoch=0)
+    assert sorted(shards.tolist()) == list(range(11))
+    after = dict(zip(shards.tolist(), shards[1:].tolist(), strict=False))
+    assert all(after[s] == s + 1 for s in range(10) if s % 3 != 2)  # runs 0-2, 3-5, 6-8, 9-10
+    assert shards.tolist() != list(range(11))  # the runs themselves are shuffled
+    assert layout.slots(seed=42, epoch=1)[0].tolist() != shards.tolist()
+
+
 @settings(max_examples=120, deadline=None)
 @given(
     sizes=st.lists(st.integers(0, 30), min_size=1, max_size=25),

@@ -7,10 +7,10 @@ A count of consumed positions is thus the whole position of a run, under any wor
 (state.py keeps it resumable).
 
 The shard-aware order (`shuffle="shards"`, `shard_order_at`) keeps that dealing and changes only
-which index a position reads: shards are laid out in a per-epoch order and cut into
-`groups` canonical streams of equal length, stream c filling positions c, c + groups, ...; a
-stream reads its stretch a window of `window` shards at a time, in an order permuted within
-the window. When the world size divides `groups`, rank r reads only streams r, r + world_size,
+which index a position reads: runs of `window` consecutive shards are laid out in a
+per-epoch order and cut into `groups` canonical streams of equal length, stream c filling
+positions c, c + groups, ...; a stream reads its stretch a window of `window` shards at a
+time, in an order permuted within the window. When the world size divides `groups`, rank r reads only streams r, r + world_size,
 ..., so a machine reads about its share of the shards per epoch, not all of them.
 """
 
@@ -170,8 +170,11 @@ class ShardLayout:
     """What the shard-aware order reads besides (seed, epoch): `bounds`, each shard's first
     item (S + 1 values, 0 to the item count: `shard_bounds`), the number of canonical
     `groups` (fixed at a run's start, kept in its state) and the `window` of shards a stream
-    permutes within. Keeps the last epoch's shard order (S values): a block of positions
-    costs a search in it, not a new one."""
+    permutes within. The epoch lays out runs of `window` consecutive shards in a keyed
+    order, not single shards: a `seq` window that ends past its shard reads the next shard
+    (its label token), which is then most often in the same run, on the same machine.
+    Keeps the last epoch's shard order (S values): a block of positions costs a search in
+    it, not a new one."""
 
     def __init__(self, bounds: np.ndarray, groups: int, window: int) -> None:
         bounds = np.asarray(bounds, dtype=np.int64)
@@ -192,7 +195,10 @@ class ShardLayout:
         """(shard at each slot of the epoch's layout, each slot's first layout position)."""
         if self._slots is None or self._slots[:2] != (seed, epoch):
             shards = len(self.bounds) - 1
-            order = order_at(np.arange(shards), shards, seed, epoch)
+            blocks = -(-shards // self.window)  # runs of `window` consecutive shards
+            first = order_at(np.arange(blocks), blocks, seed, epoch) * self.window
+            order = (first[:, None] + np.arange(self.window)).ravel()
+            order = order[order < shards]
             starts = np.concatenate([[0], np.cumsum(np.diff(self.bounds)[order])])
             self._slots = (seed, epoch, order, starts)
         return self._slots[2], self._slots[3]
