@@ -627,7 +627,8 @@ def test_an_edited_meta_json_is_caught_at_first_read_and_by_verify(tmp_path):
     meta_file.write_text(meta_file.read_text().replace('"int32"', '"float32"', 1))
     problems = verify_dataset(out)
     assert problems == [
-        "shard_00000_000/meta.json: edited since it was written (xxh64 differs from manifest.json)"
+        "shard_00000_000/meta.json: edited since it was written (xxh64 differs from manifest.json)",
+        "shards.index: shard_00000_000/meta.json differs from what the index recorded",
     ]
     store = MmapStore(window_size=8).load(out)  # the index opens it without reading meta.json
     with pytest.raises(ValueError, match=r"shard_00000_000"):

@@ -1,7 +1,8 @@
 """`tokenmill verify`: every shard checked against its meta.json and the manifest.
 
 Beside reader.py (the shard reader): sizes, xxh64 checksums, offsets monotonic and in
-range, leftover temp folders, and manifest agreement; each problem names its
+range, leftover temp folders, manifest agreement, and each `shards.index` against the shards
+of its folder (a store trusts the index to open in O(1)); each problem names its
 shard, file and key, so a truncated or corrupted dataset is found before training.
 """
 
@@ -24,6 +25,7 @@ from tokenmill.shards.format import (
     primary_key,
     shard_records,
 )
+from tokenmill.shards.index import INDEX_NAME, ShardIndex, xxh64_int
 from tokenmill.shards.manifest import listed, read_manifest
 from tokenmill.shards.reader import find_shards, map_array, map_shard, read_meta
 
@@ -57,6 +59,7 @@ def verify_dataset(root: Path, require_manifest: bool = True) -> list[str]:
         problems += _verify_manifest(root, manifest, found)
     elif require_manifest:
         problems.append("manifest.json: missing, so the run that wrote this dataset did not finish")
+    problems += _verify_indexes(root, found)
     if not found and not (manifest or {}).get("domains"):
         written = ((manifest or {}).get("summary") or {}).get("records_written")
         why = (
@@ -244,6 +247,43 @@ def _verify_manifest(root: Path, manifest: dict, found: dict[str, dict]) -> list
         for rel in parts
         if not is_tmp(rel) and rel.as_posix() not in names
     ]
+    return problems
+
+
+def _verify_indexes(root: Path, found: dict[str, dict]) -> list[str]:
+    """Each index lists exactly the shards of its folder (the dataset's, or a domain's), with
+    their records and their meta.json as written: a store opening it reads nothing else."""
+    problems: list[str] = []
+    for path in sorted(root.rglob(INDEX_NAME)):
+        folder = path.parent
+        where = path.relative_to(root).as_posix()
+        try:
+            index = ShardIndex(path)
+        except (ValueError, KeyError) as err:
+            problems.append(f"{where}: {err}")
+            continue
+        prefix = "" if folder == root else folder.relative_to(root).as_posix() + "/"
+        shards = {rel[len(prefix) :] for rel in found if rel.startswith(prefix)}
+        names = [index.name(s) for s in range(index.count)]
+        records = np.diff(index.records)
+        problems += [
+            f"{where}: lists {name}, which is missing" for name in names if name not in shards
+        ]
+        problems += [
+            f"{where}: does not list {prefix}{name}; rebuild it with `tokenmill index`"
+            for name in sorted(shards - set(names))
+        ]
+        for s, name in enumerate(names):
+            if name not in shards or not found[prefix + name]:
+                continue
+            raw = (folder / name / "meta.json").read_bytes()
+            if xxh64_int(raw) != int(index.arrays["meta_xxh64"][s]):
+                problems.append(f"{where}: {name}/meta.json differs from what the index recorded")
+            elif int(records[s]) != shard_records(found[prefix + name]):
+                problems.append(
+                    f"{where}: {name} has {shard_records(found[prefix + name])} records, "
+                    f"the index says {int(records[s])}"
+                )
     return problems
 
 
