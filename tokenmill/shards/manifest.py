@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tokenmill.shards.files import write_atomic
@@ -90,6 +91,27 @@ def _is_run_id(value: object) -> bool:
     return (
         isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
     )
+
+
+def run_output(folder: Path, shard: str | None) -> str | None:
+    """What shows a folder without manifest.json to be a preprocessing run's output (None:
+    nothing, a folder of shards written otherwise, as the seed's tools write them): its run
+    folder, its rejects.jsonl, or a shard `shard` named as a run's tasks name theirs
+    (`shard_TTTTT_III`). A shards.index alone proves nothing: `tokenmill index` indexes any
+    folder of shards. Stats only, no listing."""
+    folder = Path(folder)
+    if (folder / RUN_DIR).is_dir():
+        return f"{RUN_DIR}/ is there"
+    if (folder / "rejects.jsonl").is_file():
+        return "it holds the rejects.jsonl a preprocessing run writes"
+    if shard is not None and run_shard(shard):
+        return f"its shard {shard} is named as a preprocessing run's tasks name theirs"
+    return None
+
+
+def run_shard(rel: str) -> bool:
+    """A shard (or part) named as a preprocessing run's tasks name theirs: `shard_TTTTT_III`."""
+    return re.fullmatch(r"shard_\d{5}_\d{3,}|part_\d{5}_\d{3,}\.jsonl", Path(rel).name) is not None
 
 
 def local_not_ours(folder: Path) -> str | None:

@@ -23,7 +23,7 @@ from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
-from tokenmill.storage.remote import Remote, retrying
+from tokenmill.storage.remote import Remote, bucket_missing, retrying
 
 log = logging.getLogger("tokenmill.remote")
 
@@ -79,7 +79,9 @@ class BucketLock:
                     "put_object", Bucket=bucket, Key=key, Body=self._body(), **condition
                 ),
             )
-        except FileNotFoundError:  # If-Match on a lock that is gone (404)
+        except FileNotFoundError as err:  # If-Match on a lock that is gone (404)
+            if bucket_missing(err):
+                raise self.remote.missing(LOCK, err) from None
             return None
         except OSError as err:  # 412 Precondition Failed (s3fs: FileExistsError or EINVAL)
             if "pre-condition" in str(err) or "Precondition" in str(err):
@@ -91,14 +93,16 @@ class BucketLock:
         """(the lock's holder, its ETag, seconds since it was written) or None: no lock."""
         try:
             if not self._s3:
-                return json.loads(self.remote.cat(LOCK)), None, 0.0
+                return holder_of(self.remote.cat(LOCK)), None, 0.0
             bucket, key = self._key()
             head = retrying(
                 f"stat {self.remote.where(LOCK)}",
                 lambda: self.remote.fs.call_s3("head_object", Bucket=bucket, Key=key),
             )
-            body = json.loads(self.remote.cat(LOCK))
-        except FileNotFoundError:
+            body = holder_of(self.remote.cat(LOCK))
+        except FileNotFoundError as err:
+            if bucket_missing(err):
+                raise
             return None
         headers = head.get("ResponseMetadata", {}).get("HTTPHeaders", {})
         now = parsedate_to_datetime(headers["date"]).timestamp() if "date" in headers else None
@@ -136,6 +140,8 @@ class BucketLock:
                 else f"this store has no conditional writes: remove {self.remote.where(LOCK)} "
                 "once that run is dead"
             )
+            if UNKNOWN in holder:
+                stale += f"; if no run writes there, remove {self.remote.where(LOCK)} yourself"
             raise FileExistsError(
                 f"{self.remote.url}: another run is writing this prefix ({describe(holder)}, "
                 f"lock last written {age:.0f} s ago); wait for it to finish or stop it, then "
@@ -237,6 +243,24 @@ def _boot_id() -> str:
         return ""
 
 
+UNKNOWN = "unknown"  # a holder's key where the lock's body names no tokenmill run
+
+
+def holder_of(body: bytes) -> dict[str, Any]:
+    """The holder a lock's body names: its JSON object; anything else (not JSON, not an
+    object: not written by tokenmill) a holder of `UNKNOWN` kind, not a traceback."""
+    try:
+        holder = json.loads(body)
+    except ValueError:
+        holder = None
+    if isinstance(holder, dict):
+        return holder
+    shown = body[:40].decode(errors="replace")
+    return {UNKNOWN: f"{len(body)} bytes that are not a tokenmill lock: {shown!r}"}
+
+
 def describe(holder: dict[str, Any]) -> str:
+    if UNKNOWN in holder:
+        return f"an unknown run: the lock holds {holder[UNKNOWN]}"
     run = f", run {str(holder['run_id'])[:12]}" if holder.get("run_id") else ""
     return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}{run}"

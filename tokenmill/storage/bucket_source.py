@@ -29,7 +29,7 @@ from tokenmill.shards.manifest import listed, parse_manifest
 from tokenmill.storage.cache import ShardCache, shard_files
 from tokenmill.storage.cache_files import lock_file
 from tokenmill.storage.prefetch import Prefetcher
-from tokenmill.storage.remote import STATS, Remote
+from tokenmill.storage.remote import STATS, NoSuchBucket, Remote
 from tokenmill.storage.source import BucketOptions, IndexedShards, ShardSource
 
 READ_AHEAD = 2  # shards fetched after the one opened, while reads go through shards in order
@@ -45,6 +45,8 @@ class BucketSource(ShardSource):
         remote = Remote(url, options.storage_options)
         try:
             manifest_bytes = remote.cat("manifest.json")
+        except NoSuchBucket:
+            raise
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{remote.url}/manifest.json: not found; a dataset in object storage is read "

@@ -20,9 +20,11 @@ matches; a file or folder removed under a running job is fetched again.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -49,7 +51,7 @@ from tokenmill.storage.cache_files import (
     write_checked,
 )
 from tokenmill.storage.eviction import CacheIndex
-from tokenmill.storage.remote import STATS, Remote
+from tokenmill.storage.remote import STATS, ObjectMissing, Remote
 
 log = logging.getLogger("tokenmill.cache")
 
@@ -57,6 +59,7 @@ ATTEMPTS = 3  # opens of one shard before giving up on a cache that keeps changi
 SEEN_S = 1.0  # a shard known present is looked at (and marked used) again after this long
 LOOKAHEAD_SHARE = 0.5  # of the limit, for the shards every process of the machine reads next
 WAIT_S = 0.05  # between two tries for room while other downloads are under way
+FULL = (errno.ENOSPC, errno.EDQUOT)  # a disk (or a quota) with no room left
 RANGE_RATIO = 64  # rows read by byte ranges, not a download, when under 1/64 of a shard's
 
 
@@ -234,8 +237,30 @@ class ShardCache:
     def _write_once(self, path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        tmp.write_bytes(data)
+        try:
+            tmp.write_bytes(data)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            if err.errno in FULL:
+                raise self.full(str(path.relative_to(self.dir)), len(data), err) from None
+            raise
         os.replace(tmp, path)
+
+    def full(self, what: str, need: int, err: OSError) -> OSError:
+        """The error of a full disk under the cache: which cache, what was being written,
+        the bytes it needed and the room left there, not a bare "No space left on device"."""
+        try:
+            free = f"{shutil.disk_usage(self.root).free:,} bytes are free there"
+        except OSError:
+            free = "the room left there is unknown"
+        limit = f"{self.limit:,} bytes" if self.limit is not None else "none"
+        return OSError(
+            err.errno,
+            f"{self.root}: the shard cache's disk is full ({err.strerror}): {what} of "
+            f"{self.remote.url} needs {need:,} bytes and {free}; free room on that disk, set "
+            f"cache_limit below the room the cache may take (now: {limit}), or choose "
+            "another cache_dir",
+        )
 
     # --- shards --------------------------------------------------------------------------
     def open(
@@ -252,6 +277,8 @@ class ShardCache:
                         self.present[rel] = time.monotonic()
                         return map_shard(shard, meta)
                     return map_keys(shard, meta, keys or list(meta), values)
+            except ObjectMissing:  # gone from the bucket: fetching again cannot help
+                raise
             except FileNotFoundError:  # the cache changed under us (evicted, removed): again
                 self.present.pop(rel, None)
                 if attempt == ATTEMPTS - 1:
@@ -347,16 +374,14 @@ class ShardCache:
         shard.mkdir(parents=True, exist_ok=True)
         for stale in shard.glob(".*.tmp-*"):  # a killed download's (we hold the lock)
             stale.unlink(missing_ok=True)
-        self._make_room(rel, sum(size for _, size, _ in files))
+        need = sum(size for _, size, _ in files)
+        self._make_room(rel, need)
         tag = f"{os.getpid()}-{threading.get_ident()}"
         temps = {name: shard / f".{name}.tmp-{tag}" for name, _, _ in files}
         todo = list(files)
         try:
             for attempt in (1, 2):
-                self.remote.get(
-                    [(f"{rel}/{name}", temps[name]) for name, _, _ in todo],
-                    [size for _, size, _ in todo],
-                )
+                self._get(rel, [(name, temps[name], size) for name, size, _ in todo], need)
                 wrong = [f for f in todo if not matches(temps[f[0]], f[1], f[2])]
                 if not wrong:
                     break
@@ -386,7 +411,26 @@ class ShardCache:
         self.counts.add(downloads=1, download_bytes=sum(size for _, size, _ in files))
         self._save_stats()
 
-    # --- locks ---------------------------------------------------------------------------
+    def _get(self, rel: str, files: list[tuple[str, Path, int]], need: int) -> None:
+        """Shard `rel`'s files (name, temp path, bytes) downloaded; an object gone from the
+        bucket, or a full disk, raises naming the shard."""
+        try:
+            self.remote.get(
+                [(f"{rel}/{name}", tmp) for name, tmp, _ in files], [n for _, _, n in files]
+            )
+        except ObjectMissing as err:
+            raise ObjectMissing(
+                f"{self.remote.where(rel)}: shard {rel}, listed in the dataset's manifest, "
+                f"cannot be read from the bucket ({err}): the dataset changed since it was "
+                f"written; run `tokenmill verify {self.remote.url}`"
+            ) from None
+        except OSError as err:
+            if err.errno in FULL:
+                for _, tmp, _ in files:  # the room left is what the disk has without them
+                    tmp.unlink(missing_ok=True)
+                raise self.full(f"shard {rel}", need, err) from None
+            raise
+
     # --- ranged reads --------------------------------------------------------------------
     def ranged_pays(self, rel: str, meta: dict, rows: int) -> bool:
         """Whether reading `rows` rows of a shard by byte ranges pays better than downloading

@@ -157,6 +157,30 @@ def retrying_each(
     raise AssertionError("unreachable")
 
 
+# --- missing objects ------------------------------------------------------------------------
+class ObjectMissing(FileNotFoundError):
+    """An object a dataset needs is not in the bucket, named by its URL (where the client
+    says only "The specified key does not exist.")."""
+
+
+class NoSuchBucket(ObjectMissing):
+    """The bucket itself does not exist: `s3://nope: no such bucket`."""
+
+
+def bucket_missing(err: BaseException) -> bool:
+    """Whether an error (or one of its causes) says that the bucket does not exist."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, NoSuchBucket) or "NoSuchBucket" in f"{type(e).__name__} {e}":
+            return True
+        if "specified bucket does not exist" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 # --- the filesystem -------------------------------------------------------------------------
 def client_options(protocol: str, given: dict[str, Any] | None) -> dict[str, Any]:
     """Storage options for fsspec: the user's, plus (for s3, where not set) botocore's own
@@ -206,9 +230,20 @@ class Remote:
         """The URL of `rel`, for messages."""
         return f"{self.url}/{rel}" if rel else self.url
 
+    def missing(self, rel: str, err: BaseException) -> ObjectMissing:
+        """The error for object `rel` not found (`err`, the client's), naming it by its URL,
+        or naming the bucket where the bucket is what does not exist."""
+        if bucket_missing(err):
+            scheme, _, path = self.url.partition("://")
+            return NoSuchBucket(f"{scheme}://{path.split('/')[0]}: no such bucket")
+        return ObjectMissing(f"{self.where(rel)}: no such object")
+
     # --- reads --------------------------------------------------------------------------
     def cat(self, rel: str) -> bytes:
-        data = retrying(f"get {self.where(rel)}", lambda: self.fs.cat_file(self.path(rel)))
+        try:
+            data = retrying(f"get {self.where(rel)}", lambda: self.fs.cat_file(self.path(rel)))
+        except FileNotFoundError as err:
+            raise self.missing(rel, err) from None
         STATS.add(bytes_down=len(data))
         return bytes(data)
 
@@ -249,6 +284,8 @@ class Remote:
         got = retrying(what, lambda: self.fs.cat_ranges(paths, starts, ends))
         out = []
         for (rel, start, end), data in zip(ranges, got):
+            if isinstance(data, FileNotFoundError):
+                raise self.missing(rel, data) from None
             if isinstance(data, Exception):
                 raise data
             if len(data) != end - start:
@@ -301,7 +338,13 @@ class Remote:
                 return {pair: err for pair in todo if not _whole(pair[1], expected.get(pair))}
 
         what = f"get {pairs[0][0]}" + (f" and {len(pairs) - 1} more" if len(pairs) > 1 else "")
-        retrying_each(f"{what} of {self.url}", list(pairs), batch)
+        try:
+            retrying_each(f"{what} of {self.url}", list(pairs), batch)
+        except FileNotFoundError as err:  # an object gone (which: the client may not say),
+            gone = next((r for r, _ in pairs if not self.exists(r)), None)
+            if gone is None:  # or a local folder removed under the download
+                raise
+            raise self.missing(gone, err) from None
         STATS.add(bytes_down=sum(os.path.getsize(p) for _, p in pairs))
 
     # --- writes -------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 
 from tokenmill.shards.format import RUN_DIR, Column, checksum
 from tokenmill.shards.index import INDEX_NAME, ShardIndex, find_index
-from tokenmill.shards.manifest import listed, read_manifest
+from tokenmill.shards.manifest import listed, read_manifest, run_output, run_shard
 from tokenmill.shards.reader import check_sizes, find_shards, map_shard, read_meta
 from tokenmill.shards.verify import check_shard, verify_dataset
 from tokenmill.storage.remote import is_url, parse_size
@@ -223,22 +223,19 @@ class FolderSource(ShardSource):
 
     @classmethod
     def load(cls, root: Path, integrity: str, allow_partial: bool) -> FolderSource:
-        """The shards below `root`: the manifest's, or every shard folder without one."""
+        """The shards below `root`: the manifest's, or every shard folder without one. A
+        folder without manifest.json that a preprocessing run wrote (`run_output`) is refused
+        unless `allow_partial`: its run did not finish, or its manifest was lost."""
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: not a folder of shards")
         finished = (root / "manifest.json").is_file()
-        if not finished and (root / RUN_DIR).is_dir():
-            if not allow_partial:
-                raise ValueError(
-                    f"{root}: the tokenmill run writing this dataset has not finished (no "
-                    f"manifest.json, {RUN_DIR}/ present): re-run the same preprocess command "
-                    "to finish it, or load(..., allow_partial=True) to read what is there"
-                )
-            warnings.warn(
-                f"{root}: loading an unfinished run's shards", stacklevel=4
-            )  # the caller of the store's load
         index = find_index(root)
-        if index is not None:
+        why = None
+        if not finished:
+            first = index.name(0) if index is not None and index.count else None
+            why = run_output(root, first)
+            _refuse_unfinished(root, why, allow_partial)
+        if index is not None:  # O(1): a listed shard gone is named at its first read
             return cls(root, None, None, integrity, index)
         warnings.warn(
             f"{root}: no {INDEX_NAME} (written before datasets had one): opening reads every "
@@ -249,6 +246,11 @@ class FolderSource(ShardSource):
         folders = find_shards(root)
         if not folders:
             raise FileNotFoundError(f"{root}: no shard (a folder with meta.json) below it")
+        if not finished and why is None:  # a run's shards, by their names
+            named = next((d for d in folders if run_shard(d.name)), None)
+            if named is not None:
+                rel = named.relative_to(root).as_posix()
+                _refuse_unfinished(root, run_output(root, rel), allow_partial)
         folders = _manifest_shards(root, manifest, folders)
         shards = [(str(d.relative_to(root)) if d != root else ".", read_meta(d)) for d in folders]
         return cls(root, manifest, shards, integrity)
@@ -268,6 +270,28 @@ class FolderSource(ShardSource):
 
     def verify(self) -> list[str]:
         return verify_dataset(self.root, require_manifest=self.manifest is not None)
+
+
+def _refuse_unfinished(root: Path, why: str | None, allow_partial: bool) -> None:
+    """A folder without manifest.json that a preprocessing run wrote (`why` says how it shows
+    it; None: not a run's) is refused, unless `allow_partial` (then loaded, with a warning)."""
+    if why is None:
+        return
+    if not allow_partial:
+        if (root / RUN_DIR).is_dir():
+            raise ValueError(
+                f"{root}: the tokenmill run writing this dataset has not finished (no "
+                f"manifest.json, {RUN_DIR}/ present): re-run the same preprocess command "
+                "to finish it, or load(..., allow_partial=True) to read what is there"
+            )
+        raise ValueError(
+            f"{root}: manifest.json is missing, yet a preprocessing run wrote this folder "
+            f"({why}): the dataset is incomplete or damaged; restore its manifest.json, "
+            "preprocess it again, or load(..., allow_partial=True) to read the shards there"
+        )
+    warnings.warn(
+        f"{root}: loading an unfinished run's shards", stacklevel=5
+    )  # the caller of the store's load
 
 
 def _manifest_shards(root: Path, manifest: dict | None, shards: list[Path]) -> list[Path]:

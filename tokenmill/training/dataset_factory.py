@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenmill.shards.manifest import read_manifest
+from tokenmill.shards.manifest import read_manifest, run_output, run_shard
 from tokenmill.storage.source import through_cache
 from tokenmill.training.datasets import BaseDataset, SEQDataset, SFTDataset
 from tokenmill.training.factory import StoreFactory, detect_format
@@ -149,6 +149,8 @@ def _load_store(train_type: str, load_path: str | Path, options: StoreOptions) -
         storage_type, window_size=options.window_size, stride=options.stride, **shard_options
     )
     written = Path(load_path).is_dir() and read_manifest(Path(load_path)) is not None
+    if storage_type == "jsonl" and Path(load_path).is_dir() and not written:
+        _refuse_run_parts(Path(load_path))
     if storage_type != "jsonl" or written:  # shards, or JSONL the pipeline already tokenized
         store.load(load_path)
     elif train_type in ("dpo", "kto", "grpo") and tokenizer_path is not None:
@@ -156,6 +158,19 @@ def _load_store(train_type: str, load_path: str | Path, options: StoreOptions) -
     else:
         store.load(load_path, tokenizer_path=tokenizer_path)
     return store
+
+
+def _refuse_run_parts(folder: Path) -> None:
+    """A folder of JSONL parts that a preprocessing run wrote, without its manifest.json: not
+    raw records to tokenize, but an incomplete or damaged dataset."""
+    parts = (p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*.jsonl")))
+    why = run_output(folder, next((p for p in parts if run_shard(p)), None))
+    if why is not None:
+        raise ValueError(
+            f"{folder}: manifest.json is missing, yet a preprocessing run wrote this folder "
+            f"({why}): the dataset is incomplete or damaged; restore its manifest.json or "
+            "preprocess it again"
+        )
 
 
 def _warn_other_tokenizer(dataset: BaseDataset, load_path: Any, tokenizer_path: Any) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import errno
 import os
+import re
 import shutil
 import socket
 from collections.abc import Iterator
@@ -174,7 +175,9 @@ def output_lock(output_dir: Path) -> Iterator[None]:
         except BlockingIOError:
             raise FileExistsError(
                 f"{output_dir}: another run is writing this output ({_holder(path)}); wait for "
-                "it to finish or stop it, then run again"
+                f"it to finish or stop it, then run again (its lock, {path}, is a file lock "
+                f"held by a live process: `fuser {path}` names it; the kernel releases it "
+                "when that process ends, however it ends; removing the file releases nothing)"
             ) from None
         except OSError as err:
             if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
@@ -191,9 +194,16 @@ def output_lock(output_dir: Path) -> Iterator[None]:
 
 
 def _holder(lock: Path) -> str:
-    """Who holds an output's lock, as its holder wrote it in the lock file."""
+    """Who holds an output's lock, as its holder wrote it in the lock file ("pid P on HOST,
+    started T"); anything else there (not written by tokenmill) names an unknown holder."""
     try:
         with open(lock, "rb") as f:
-            return f.read(4096).decode(errors="replace").strip() or "a starting run"
+            data = f.read(4096)
     except OSError:
         return "a starting run"
+    text = data.decode(errors="replace").strip()
+    if not text:
+        return "a starting run"
+    if re.fullmatch(r"pid \d+ on \S+, started \S+", text):
+        return text
+    return f"an unknown process: the lock file holds {len(data)} bytes that name no tokenmill run"
