@@ -61,6 +61,11 @@ if TYPE_CHECKING:
         ContextParallelCollator as ContextParallelCollator,
         DataflowLoader as DataflowLoader,
     )
+    from tokenmill.tools.recipe import (
+        Recipe as Recipe,
+        load_recipe as load_recipe,
+        realised_mix as realised_mix,
+    )
     # isort: on
 
 _EXPORTS = {
@@ -102,6 +107,9 @@ _EXPORTS = {
     "PackedCollator": "tokenmill.dataflow",
     "ContextParallelCollator": "tokenmill.dataflow",
     "DataflowLoader": "tokenmill.dataflow",
+    "Recipe": "tokenmill.tools.recipe",
+    "load_recipe": "tokenmill.tools.recipe",
+    "realised_mix": "tokenmill.tools.recipe",
 }
 
 __all__ = ["__version__", *_EXPORTS]

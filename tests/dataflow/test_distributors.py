@@ -198,7 +198,7 @@ def test_mixture_by_samples_is_pinned_and_resumes():
 
     assert stream(make()) == [100, 200, 101, 102, 201, 103, 104, 202, 105]
     check_resume(make, lambda d: d.stream(0, 1, 0, 1))
-    with pytest.raises(ValueError, match=r"weights: saved \[2.0, 1.0\], now \[1.0, 1.0\]"):
+    with pytest.raises(ValueError, match=r"weights of source 0: saved 2.0, now 1.0"):
         MixtureDistributor([MapDistributor([1]), MapDistributor([2])], [1, 1]).load_state_dict(
             make().state_dict()
         )

@@ -45,6 +45,7 @@ __all__ = [
     "RankPartitionedDistributor",
     "MixtureDistributor",
     "MIXTURE_UNITS",
+    "ON_EXHAUSTED",
     "worker_share",
     "rank_split",
     "pick_source",
@@ -453,6 +454,7 @@ class RankPartitionedDistributor(_IndexedDistributor):
 
 
 MIXTURE_UNITS = ("samples", "tokens")
+ON_EXHAUSTED = ("stop", "reweight")
 
 
 def pick_source(counts: Sequence[float], shares: Sequence[float], largest: float = 1) -> int:
@@ -465,14 +467,45 @@ def pick_source(counts: Sequence[float], shares: Sequence[float], largest: float
     return min(ready, key=lambda i: ((largest - lag[i]) / shares[i], i))
 
 
+def _check_repeats(sources: Sequence[DataDistributor], repeats: Sequence[int | None]) -> None:
+    """Each repeat is a pass count (None: unlimited) of a MapDistributor whose epochs are the
+    passes: its num_epochs, unset or the same, becomes that count."""
+    if len(repeats) != len(sources):
+        raise ValueError(f"{len(sources)} sources but {len(repeats)} repeats")
+    for i, (source, count) in enumerate(zip(sources, repeats)):
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+            raise ValueError(f"repeats[{i}] must be a positive int or None, got {count!r}")
+        if count is not None and count < 1:
+            raise ValueError(f"repeats[{i}] must be a positive int or None, got {count!r}")
+        if not isinstance(source, MapDistributor):
+            raise TypeError(
+                f"MixtureDistributor: source {i} is a {type(source).__name__}; repeats need "
+                "MapDistributor sources, whose epochs are the passes"
+            )
+        if source.num_epochs is not None and source.num_epochs != count:
+            raise ValueError(
+                f"MixtureDistributor: source {i} has num_epochs={source.num_epochs} but "
+                f"repeats {count}; give one of them"
+            )
+
+
 class MixtureDistributor(_IndexedDistributor):
     """A deterministic ratio-weighted merge of sources, each read as the same rank.
 
     Every prefix holds each source's share within one sample (`pick_source`): of samples
     (`by="samples"`: ranks pick alike, so with map-style sources the state is global), or
     of trained tokens (`by="tokens"`, counted by `size_fn`, default `trained_tokens`: this
-    reads each item to count it, and the counts are the rank's own). Ends with its first
-    empty source."""
+    reads each item to count it, and the counts are the rank's own).
+
+    `repeats` (one per source, MapDistributor sources): how many passes over each source the
+    mixture may take, each a fresh epoch of its order, every sample once per pass; None in
+    it: unlimited. Not given: each source streams as it was built (its own num_epochs).
+    When a source has no more to give, `on_exhausted="stop"` ends the mixture, and
+    `"reweight"` lets that source leave while the others keep their relative weights, until
+    all are spent (the picks then depend on where each rank's stream ends: the state is the
+    rank's own, as by tokens). `names` name the sources in refusals (default "source i").
+    The state keeps weights, repeats and on_exhausted, and each source's state its data's
+    fingerprint: a state saved under others is refused, naming the field and the source."""
 
     def __init__(
         self,
@@ -481,6 +514,10 @@ class MixtureDistributor(_IndexedDistributor):
         by: str = "samples",
         size_fn: Callable[[Any], int] | None = None,
         allow_mixed_tokenizers: bool = False,
+        *,
+        repeats: Sequence[int | None] | None = None,
+        on_exhausted: str = "stop",
+        names: Sequence[str] | None = None,
     ) -> None:
         if len(sources) != len(weights) or not sources:
             raise ValueError(f"{len(sources)} sources but {len(weights)} weights")
@@ -490,37 +527,63 @@ class MixtureDistributor(_IndexedDistributor):
             raise ValueError(f"weights must be positive, got {list(weights)}")
         if by not in MIXTURE_UNITS:
             raise ValueError(f"unknown by={by!r}; valid: {list(MIXTURE_UNITS)}")
+        if on_exhausted not in ON_EXHAUSTED:
+            raise ValueError(f"unknown on_exhausted={on_exhausted!r}; valid: {list(ON_EXHAUSTED)}")
+        if names is not None and len(names) != len(sources):
+            raise ValueError(f"{len(sources)} sources but {len(names)} names")
+        if repeats is not None:
+            _check_repeats(sources, repeats)
+            for source, count in zip(sources, repeats):
+                source.num_epochs = count  # type: ignore[attr-defined]  # MapDistributor
         self.sources, self.weights, self.by = list(sources), [float(w) for w in weights], by
-        self.shares = [w / sum(self.weights) for w in self.weights]
+        self.repeats = None if repeats is None else list(repeats)
+        self.on_exhausted = on_exhausted
+        self.names = (
+            list(names) if names is not None else [f"source {i}" for i in range(len(sources))]
+        )
         self.size_fn = size_fn or trained_tokens
         self.counts = [0] * len(sources)  # samples or tokens taken from each source
         self.largest = 1  # the largest sample so far, in the unit of `counts`
-        self.coordinates: list[int] | None = None  # the rank token counts belong to
+        self.left: list[int] = []  # sources spent under on_exhausted="reweight", in order
+        self.coordinates: list[int] | None = None  # the rank a rank-own state belongs to
+
+    @property
+    def rank_own(self) -> bool:
+        """Whether the state is one rank's own: by tokens, or reweighted at each rank's ends."""
+        return self.by == "tokens" or self.on_exhausted == "reweight"
 
     def set_coordinates(self, dp_rank: int, dp_world_size: int) -> None:
-        """By tokens, the counts are one rank's own: a state resumes on that rank of that
-        world size only, refused here otherwise, naming both. The sources are told too."""
+        """A rank's own state (`rank_own`) resumes on that rank of that world size only,
+        refused here otherwise, naming both. The sources are told too."""
         _check_coordinates(dp_rank, dp_world_size)
         now = [dp_rank, dp_world_size]
-        if self.by == "tokens" and self.coordinates is not None and self.coordinates != now:
+        if self.rank_own and self.coordinates is not None and self.coordinates != now:
             raise ValueError(
-                "MixtureDistributor(by='tokens') cannot resume: [dp_rank, dp_world_size]: "
-                f"saved {self.coordinates}, now {now}"
+                f"MixtureDistributor(by={self.by!r}, on_exhausted={self.on_exhausted!r}) "
+                f"cannot resume: [dp_rank, dp_world_size]: saved {self.coordinates}, now {now}"
             )
         for source in self.sources:
             source.set_coordinates(dp_rank, dp_world_size)
 
     def indices(self, dp_rank: int, dp_world_size: int) -> Iterator[tuple]:
         self.set_coordinates(dp_rank, dp_world_size)
-        if self.by == "tokens":
+        if self.rank_own:
             self.coordinates = [dp_rank, dp_world_size]
         streams = [source.indices(dp_rank, dp_world_size) for source in self.sources]
         end = object()
         while True:
-            i = pick_source(self.counts, self.shares, self.largest)
+            active = [i for i in range(len(self.sources)) if i not in self.left]
+            if not active:
+                return
+            weight = sum(self.weights[i] for i in active)
+            shares = [self.weights[i] / weight for i in active]
+            i = active[pick_source([self.counts[i] for i in active], shares, self.largest)]
             index = next(streams[i], end)
             if index is end:
-                return
+                if self.on_exhausted == "stop":
+                    return
+                self.left.append(i)
+                continue
             if self.by == "samples":
                 self.counts[i] += 1
                 yield (i, index)
@@ -548,15 +611,44 @@ class MixtureDistributor(_IndexedDistributor):
             "version": STATE_VERSION,
             "by": self.by,
             "weights": self.weights,
+            "repeats": self.repeats,
+            "on_exhausted": self.on_exhausted,
             "counts": list(self.counts),
             "largest": self.largest,
+            "left": list(self.left),
             "coordinates": self.coordinates,
             "sources": [source.state_dict() for source in self.sources],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state("MixtureDistributor", state, {"by": self.by, "weights": self.weights})
+        owner = "MixtureDistributor"
+        if isinstance(state, dict):  # a state saved before repeats and on_exhausted
+            state = {"repeats": None, "on_exhausted": "stop", "left": [], **state}
+        check_state(owner, state, {"by": self.by, "on_exhausted": self.on_exhausted})
+        saved_sources = state.get("sources")
+        if not isinstance(saved_sources, list) or len(saved_sources) != len(self.sources):
+            count = len(saved_sources) if isinstance(saved_sources, list) else saved_sources
+            raise ValueError(
+                f"{owner} cannot resume: sources: saved {count}, now {len(self.sources)}"
+            )
+        for key in ("weights", "repeats"):
+            saved, now = state.get(key), getattr(self, key)
+            if not (isinstance(saved, list) and isinstance(now, list)) or len(saved) != len(now):
+                continue  # check_state below names the whole field
+            for i, (was, is_now) in enumerate(zip(saved, now)):
+                if was != is_now:
+                    raise ValueError(
+                        f"{owner} cannot resume: {key} of {self.names[i]}: "
+                        f"saved {was!r}, now {is_now!r}"
+                    )
+        check_state(owner, state, {"weights": self.weights, "repeats": self.repeats})
+        left = state["left"]
+        if not isinstance(left, list) or any(i not in range(len(self.sources)) for i in left):
+            raise ValueError(f"{owner} cannot resume: left {left!r} names no sources of these")
+        for i, (source, saved) in enumerate(zip(self.sources, saved_sources)):
+            try:
+                source.load_state_dict(saved)
+            except (ValueError, TypeError) as error:
+                raise ValueError(f"{owner} cannot resume: {self.names[i]}: {error}") from error
         self.counts, self.largest = list(state["counts"]), state["largest"]
-        self.coordinates = state["coordinates"]
-        for source, saved in zip(self.sources, state["sources"], strict=True):
-            source.load_state_dict(saved)
+        self.coordinates, self.left = state["coordinates"], list(left)
