@@ -78,6 +78,10 @@ def test_every_field_round_trips_from_json_and_yaml(tmp_path):
             "packing_strategy": "bfd_split",
             "max_packed_len": 32,
             "truncation_mode": "keep_end",
+            "map": "mypkg.clean:fix",
+            "filter": "mypkg.clean:keep",
+            "validation": {"fraction": 0.1, "by": "record", "seed": 7, "root": "data"},
+            "dedup": "exact",
         },
         "output": {
             "domain_key": "lang",

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from bucket_helpers import QWEN, download, files_of, small_config, source
 
+from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.inputs.records import RecordError
 from tokenmill.preprocess.run.pipeline import Pipeline
 from tokenmill.preprocess.run.task_output import read_task_records
@@ -22,6 +23,7 @@ from tokenmill.preprocess.run.upload import BucketOutput
 from tokenmill.shards.verify import verify_dataset
 from tokenmill.storage.remote import Remote, parse_size
 from tokenmill.tools.cli import main
+from tokenmill.training.dataset_factory import DatasetFactory
 
 
 def local_run(tmp_path, train_type="sft"):
@@ -322,3 +324,30 @@ def test_sizes_read_as_people_write_them():
     assert parse_size(1234) == 1234 and parse_size(None) is None
     with pytest.raises(ValueError, match="cannot read the size"):
         parse_size("lots")
+
+
+@pytest.mark.slow  # an S3 server
+def test_a_split_run_in_a_bucket_is_the_local_bytes_and_its_root_is_refused(
+    tmp_path, bucket, options
+):
+    """train/ and validation/ are datasets of their own in the bucket as on disk (their
+    manifests uploaded before the root's); loading the root, which holds both, is refused."""
+    data = small_config("seq").model_dump(mode="json")
+    data["preprocessing"]["validation"] = {"fraction": 0.2, "by": "document", "seed": 1}
+    cfg = PipelineConfig.from_dict(data)
+    src = source("seq", tmp_path)
+    local = tmp_path / "local"
+    Pipeline(cfg, [src], local, QWEN, workers=1, on_error="skip", progress=False).run()
+    url = f"s3://{bucket}/split"
+    bucket_run(cfg, src, url, options, tmp_path / "s")
+    got = download(url, options, tmp_path / "got")
+    assert files_of(got) == files_of(local)
+    assert (got / "train" / "manifest.json").is_file()
+    with pytest.raises(ValueError, match=f"{url} holds the splits train and validation"):
+        DatasetFactory.load("seq", url, window_size=64, storage_options=options)
+    for split in ("train", "validation"):
+        loaded = DatasetFactory.load(
+            "seq", f"{url}/{split}", window_size=64, storage_options=options,
+            cache_dir=tmp_path / f"cache-{split}",
+        )  # fmt: skip
+        assert len(loaded) == len(DatasetFactory.load("seq", local / split, window_size=64))

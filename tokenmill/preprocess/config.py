@@ -220,6 +220,31 @@ class InputConfig(_Strict):
         return self
 
 
+HOOK = re.compile(r"^([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_]\w*$")  # module, or a .py file
+
+
+class Validation(_Strict):
+    """The held-out split: a fixed rule of each record, so no worker count, engine or rerun
+    moves a record from one split to the other (document/cleaning.py)."""
+
+    fraction: float = Field(gt=0, lt=1, description="share of records held out, about")
+    by: Literal["document", "record"] = Field(
+        "document",
+        description=(
+            "document: a hash of the record's normalized text (copies of a text share a split);"
+            " record: a hash of its input file (relative to `root`) and line"
+        ),
+    )
+    seed: int = Field(0, ge=0, description="another seed, another split")
+    root: str | None = Field(
+        None,
+        description=(
+            "by record: the folder input files are named relative to; default: the folder"
+            " holding every input file"
+        ),
+    )
+
+
 class Preprocessing(_Strict):
     max_seq_len: int = Field(
         2048,
@@ -269,6 +294,46 @@ class Preprocessing(_Strict):
             " chats, cut_prompt for prompt + response, none for plain text. Cuts are counted"
         ),
     )
+    map: str | None = Field(
+        None,
+        description=(
+            "module:function or file.py:function, record dict -> record dict: what is"
+            " tokenized (run in the workers, before the split and the filter)"
+        ),
+    )
+    filter: str | None = Field(
+        None,
+        description=(
+            "module:function or file.py:function, record dict -> bool (after `map`): False"
+            " drops the record, counted as filtered"
+        ),
+    )
+    validation: Validation | None = Field(
+        None,
+        description="hold out a validation split: OUT/train and OUT/validation (see below)",
+    )
+    dedup: Literal["none", "exact"] = Field(
+        "none",
+        description="exact: a record whose normalized text came before is dropped (duplicate)",
+    )
+
+    @field_validator("map", "filter")
+    @classmethod
+    def _hook(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A hook in a .py file is named relative to the config file, as chat_template is:
+        made absolute here, so every worker imports the same file."""
+        if value is None:
+            return None
+        if not HOOK.match(value):
+            raise ValueError(
+                "expected module:function (such as mypkg.clean:keep) or file.py:function "
+                f"(such as hooks.py:keep, relative to the config file), got {value!r}"
+            )
+        where, _, function = value.rpartition(":")
+        base = (info.context or {}).get("base")
+        if where.endswith(".py") and base is not None and not Path(where).is_absolute():
+            return f"{(Path(base) / where).resolve()}:{function}"
+        return value
 
 
 class OutputConfig(_Strict):
@@ -398,11 +463,23 @@ class PipelineConfig(_Strict):
     def known_roles(self) -> set[str]:
         return set(KNOWN_ROLES) | set(self.mask)
 
+    def dump(self) -> dict[str, Any]:
+        """The config as JSON data, less the keys added since v1 that hold their defaults: a
+        config that uses none of them keeps its fingerprint and its manifest's bytes."""
+        data = self.model_dump(mode="json")
+        for key, default in LATER_DEFAULTS.items():
+            if data["preprocessing"].get(key) == default:
+                del data["preprocessing"][key]
+        return data
+
     def canonical_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.dump(), sort_keys=True, separators=(",", ":"))
 
     def fingerprint(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+LATER_DEFAULTS: dict[str, Any] = {"map": None, "filter": None, "validation": None, "dedup": "none"}
 
 
 def format_errors(err: ValidationError, origin: str) -> str:
@@ -431,6 +508,7 @@ def config_reference() -> str:
         (Section, "input.sections[]."),
         (Source, "input.sources.<output_key>."),
         (Preprocessing, "preprocessing."),
+        (Validation, "preprocessing.validation."),
         (OutputConfig, "output."),
     ]
     rows = ["| field | type | default | meaning |", "|---|---|---|---|"]

@@ -13,6 +13,8 @@ from typing import Any
 
 # Why tokens leave the flow. truncated and packing_overflow cut tokens from records that are
 # still written (their `records` count the records cut); the others drop whole records.
+# filtered (the config's filter hook said no) and duplicate (a text met before, dedup) drop
+# records before they are tokenized: records counted, 0 tokens.
 DROP_REASONS = (
     "truncated",
     "too_short",
@@ -21,6 +23,8 @@ DROP_REASONS = (
     "identical_pair",
     "packing_overflow",
     "bad_record",
+    "filtered",
+    "duplicate",
 )
 CUTS = ("truncated", "packing_overflow")
 

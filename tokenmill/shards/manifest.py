@@ -93,6 +93,19 @@ def _is_run_id(value: object) -> bool:
     )
 
 
+def refuse_split_root(where: str | Path, manifest: dict | None) -> None:
+    """A run with a validation split writes `train/` and `validation/`, each a dataset with
+    its own manifest; loading their root would train on the held-out records too."""
+    if not isinstance(manifest, dict) or "split" in manifest:
+        return
+    preprocessing = (manifest.get("config") or {}).get("preprocessing") or {}
+    if isinstance(preprocessing, dict) and preprocessing.get("validation"):
+        raise ValueError(
+            f"{where} holds the splits train and validation: load {where}/train or "
+            f"{where}/validation (the root holds both: the held-out records would leak)"
+        )
+
+
 def run_output(folder: Path, shard: str | None) -> str | None:
     """What shows a folder without manifest.json to be a preprocessing run's output (None:
     nothing, a folder of shards written otherwise, as the seed's tools write them): its run

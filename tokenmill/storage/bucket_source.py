@@ -25,7 +25,7 @@ from pathlib import Path
 from tokenmill.shards.files import locked
 from tokenmill.shards.format import Column, natural_key
 from tokenmill.shards.index import INDEX_NAME, ShardIndex
-from tokenmill.shards.manifest import listed, parse_manifest
+from tokenmill.shards.manifest import listed, parse_manifest, refuse_split_root
 from tokenmill.storage.cache import ShardCache, shard_files
 from tokenmill.storage.cache_files import lock_file
 from tokenmill.storage.prefetch import Prefetcher
@@ -52,6 +52,7 @@ class BucketSource(ShardSource):
                 f"{remote.url}/manifest.json: not found; a dataset in object storage is read "
                 "only once its run has finished and uploaded its manifest"
             ) from None
+        refuse_split_root(remote.url, parse_manifest(manifest_bytes, remote.where("manifest.json")))
         self.root, self.options = remote.url, options
         self.prefetches = options.prefetch > 0
         self.cache = ShardCache(remote, manifest_bytes, options.cache_dir, options.limit)

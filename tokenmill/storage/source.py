@@ -28,7 +28,13 @@ from typing import Any
 
 from tokenmill.shards.format import RUN_DIR, Column, checksum
 from tokenmill.shards.index import INDEX_NAME, ShardIndex, find_index
-from tokenmill.shards.manifest import listed, read_manifest, run_output, run_shard
+from tokenmill.shards.manifest import (
+    listed,
+    read_manifest,
+    refuse_split_root,
+    run_output,
+    run_shard,
+)
 from tokenmill.shards.reader import check_sizes, find_shards, map_shard, read_meta
 from tokenmill.shards.verify import check_shard, verify_dataset
 from tokenmill.storage.remote import is_url, parse_size
@@ -229,6 +235,8 @@ class FolderSource(ShardSource):
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: not a folder of shards")
         finished = (root / "manifest.json").is_file()
+        if finished:
+            refuse_split_root(root, read_manifest(root))
         index = find_index(root)
         why = None
         if not finished:

@@ -20,6 +20,7 @@ from tokenmill.preprocess.engines.engine import ENGINES
 from tokenmill.preprocess.inputs.records import ON_ERROR
 from tokenmill.preprocess.presets import DEFAULT_CONFIGS, default_config
 from tokenmill.storage.location import output_folder
+from tokenmill.tools import mix
 from tokenmill.tools.bucket import parse_storage_options
 
 
@@ -65,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-address", default=None)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("--json", action="store_true", help="print the run's summary as JSON")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="do the run and print its summary and length histograms; write nothing",
+    )
     storage_option(p)
 
     v = sub.add_parser("verify", help="check every shard's sizes, offsets and checksums")
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--workers", type=int, default=2, help="DataLoader workers")
 
+    mix.add_parser(sub)
     args = parser.parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -201,7 +208,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         data["input"]["text_unit"] = "line"
         config = PipelineConfig.from_dict(data)
     options = parse_storage_options(args.storage_option)
-    summary = Pipeline(
+    pipeline = Pipeline(
         config,
         args.inputs,
         output_dir=args.output,  # a folder (checked as output_folder checks it) or a URL
@@ -212,16 +219,53 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         ray_address=args.ray_address,
         storage_options=options or None,
-    ).run()
-    print_result(summary.as_dict(), args.json, summary.format())
+        dry_run=args.dry_run,
+    )
+    summary = pipeline.run()
+    text = "\n".join([summary.format(), *split_lines(summary, config)])
+    result = summary.as_dict()
+    if args.dry_run:
+        result["lengths"] = {k: dict(sorted(v.items())) for k, v in pipeline.lengths.items()}
+        text = "\n".join([text, *length_lines(pipeline.lengths)])
+    print_result(result, args.json, text)
     if not summary.records_written:  # a run that leaves nothing to train on is not a success
+        where = "" if args.dry_run else f"; see {args.output.rstrip('/')}/rejects.jsonl"
         print(
-            f"tokenmill preprocess: no record written: all {summary.records_read} dropped; "
-            f"see {args.output.rstrip('/')}/rejects.jsonl",
+            f"tokenmill preprocess: no record written: all {summary.records_read} dropped{where}",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def split_lines(summary: Any, config: PipelineConfig) -> list[str]:
+    """Each split's ledger in total, where domains divide the splits (the summary prints the
+    domains' own)."""
+    from tokenmill.preprocess.document.cleaning import SPLITS, in_split
+    from tokenmill.preprocess.ledger import Ledger
+
+    if config.preprocessing.validation is None or config.output.domain_key is None:
+        return []
+    lines = []
+    for split in SPLITS:
+        total = Ledger()
+        for data in in_split(summary.domains, split).values():
+            total.add(Ledger.from_dict(data))
+        lines += [f"split {split}:", *total.format(indent="  ")]
+    return lines
+
+
+def length_lines(lengths: dict[str, dict[int, int]]) -> list[str]:
+    """A dry run's histograms: rows and documents by length in tokens, powers of two."""
+    lines = []
+    for kind, buckets in lengths.items():
+        total = sum(buckets.values())
+        lines.append(f"{kind} by length (tokens):")
+        for bucket, count in sorted(buckets.items()):
+            low = bucket // 2 + 1 if bucket > 1 else bucket
+            bar = "#" * round(40 * count / total) if total else ""
+            lines.append(f"  {low:>8,}-{bucket:<8,}{count:>10,}  {bar}")
+    return lines
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -334,6 +378,7 @@ COMMANDS = {
     "show": cmd_show,
     "verify": cmd_verify,
     "index": cmd_index,
+    "mix": mix.main,
     "export": cmd_export,
     "import": cmd_import,
     "demo": cmd_demo,

@@ -20,7 +20,7 @@ import numpy as np
 
 from tokenmill.shards.buffers import ShardBuffer
 from tokenmill.shards.format import is_list_value, is_tmp
-from tokenmill.shards.manifest import listed, read_manifest
+from tokenmill.shards.manifest import listed, read_manifest, refuse_split_root
 from tokenmill.training.open_views import ShardView
 from tokenmill.training.store import Store, Transform, as_tensors, cumulative
 
@@ -43,6 +43,7 @@ class JsonlStore(Store):
         already hold token lists (as `storage_format: jsonl` writes them). `processor=`: lazy."""
         if transform is not None and processor is not None:
             raise ValueError("give transform= (eager) or processor= (lazy), not both")
+        refuse_split_root(path, read_manifest(Path(path)) if Path(path).is_dir() else None)
         self.files, stored_dtypes = jsonl_inputs(Path(path))
         self.skipped = {}
         if processor is not None:

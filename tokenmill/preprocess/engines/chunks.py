@@ -26,6 +26,7 @@ from tokenmill.preprocess.chat.tokenizer import (
     tokenizer_threads_off,
 )
 from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.document.cleaning import kept, mapped, split_domain, split_of
 from tokenmill.preprocess.document.filters import FILTER_REASONS, check_chars, raw_chars
 from tokenmill.preprocess.document.masking import RecordMasker
 from tokenmill.preprocess.document.parts import Premade, Rendering
@@ -46,13 +47,15 @@ _RESERVED_SUFFIXES = (".json", ".jsonl", ".bin", ".index")
 @dataclass
 class Chunk:
     """Chunk `index` of task `task`; `last`: the task's last chunk (every task has one, if
-    empty, so that a task's end is seen in the stream of results)."""
+    empty, so that a task's end is seen in the stream of results). `duplicates`: records a
+    dedup pre-pass took out of the chunk, in input order: counted, never tokenized."""
 
     task: int
     index: int
     records: list[Record] = field(default_factory=list)
     read_errors: list[RecordError] = field(default_factory=list)
     last: bool = False
+    duplicates: list[Record] = field(default_factory=list)
 
 
 @dataclass
@@ -232,25 +235,50 @@ def prerender(
 
 def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
     """A chunk's rows, per domain, and its ledger: every record and token read is written or
-    dropped by reason (bad records, filters, truncation, packing overflow)."""
+    dropped by reason (bad records, duplicates, the filter hook, filters, truncation, packing
+    overflow). Each record is mapped, placed (its split and domain: the folder its rows go
+    to) and filtered before the chunk is tokenized."""
     config = masker.config
     errors = list(chunk.read_errors)
     ledgers: dict[str, Ledger] = {}
     for _ in chunk.read_errors:  # unreadable: no domain, no tokens
         _ledger(ledgers, "").records_read += 1
         _ledger(ledgers, "").drop("bad_record", 1, 0)
-    masker.take_premade(Premade(preencode(masker, chunk.records), prerender(masker, chunk.records)))
-    by_domain: dict[str, list[dict]] = {}
+    for record in chunk.duplicates:  # as read: the pre-pass compared the records as read
+        try:
+            domain = split_domain(split_of(record, config), _domain(record, config))
+        except RecordError:  # its first copy is counted bad, by name
+            domain = ""
+        _ledger(ledgers, domain).records_read += 1
+        _ledger(ledgers, domain).drop("duplicate", 1, 0)
+    todo: list[tuple[Record, str]] = []
     for record in chunk.records:
         try:
+            record = mapped(record, config)
             domain = _domain(record, config)
         except RecordError as err:  # no domain to count it in
             errors.append(err)
             _ledger(ledgers, "").records_read += 1
             _ledger(ledgers, "").drop("bad_record", 1, 0)
             continue
+        domain = split_domain(split_of(record, config), domain)
         ledger = _ledger(ledgers, domain)
         ledger.records_read += 1
+        try:
+            keep = kept(record, config)
+        except RecordError as err:
+            errors.append(err)
+            ledger.drop("bad_record", 1, 0)
+            continue
+        if keep:
+            todo.append((record, domain))
+        else:
+            ledger.drop("filtered", 1, 0)
+    records = [record for record, _ in todo]
+    masker.take_premade(Premade(preencode(masker, records), prerender(masker, records)))
+    by_domain: dict[str, list[dict]] = {}
+    for record, domain in todo:
+        ledger = ledgers[domain]
         try:
             out, tally = masker.process_counted(record)
         except RecordError as err:  # a filter drops what it rendered; a bad record renders nothing
@@ -273,7 +301,7 @@ def process_chunk(chunk: Chunk, masker: RecordMasker) -> ChunkResult:
             ledgers[domain].drop("packing_overflow", cut, lost)
         ledgers[domain].tokens_written += sum(schema.token_count(row) for row in packed)
         rows.extend((domain, row) for row in packed)
-    read = len(chunk.records) + len(chunk.read_errors)
+    read = len(chunk.records) + len(chunk.read_errors) + len(chunk.duplicates)
     written = sum(len(v) for v in by_domain.values())
     result = ChunkResult(chunk.task, chunk.index, chunk.last, read, written, rows, errors, ledgers)
     result.trained_tokens = sum(schema.trained_tokens(row) for _, row in rows)

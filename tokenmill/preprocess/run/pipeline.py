@@ -8,6 +8,12 @@ tasks' records into the summary, `rejects.jsonl` and the manifest: O(tasks) work
 `on_error="raise"` a bad record stops the run and the shards it published are removed: no
 manifest, nothing that looks complete. An output URL (`s3://bucket/prefix`, any fsspec
 filesystem) gets each task's shards uploaded by the task, manifest last (upload.py).
+
+With `preprocessing.validation`, rows go to OUT/train/... or OUT/validation/...
+(document/cleaning.py); each split folder gets its own index and manifest (its ledger),
+written before OUT's, so each loads as a dataset of its own. A dry run (`dry_run=True`)
+does the same tasks on the same engine and writes nothing: its summary is the real run's,
+less the shards, and `lengths` holds the written rows' and documents' length histograms.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from tokenmill import __version__
 from tokenmill.preprocess.chat.tokenizer import load_tokenizer, tokenizer_folder
 from tokenmill.preprocess.chat.training_templates import template_identity
 from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.document.cleaning import SPLITS, check_hooks, in_split, input_root
 from tokenmill.preprocess.document.masking import RecordMasker
 from tokenmill.preprocess.engines.engine import make_engine
 from tokenmill.preprocess.engines.tasks import TaskPlan, plan_tasks
@@ -38,6 +45,7 @@ from tokenmill.preprocess.inputs.files import (
 )
 from tokenmill.preprocess.inputs.hf import DatasetInput
 from tokenmill.preprocess.inputs.records import ON_ERROR, RecordError
+from tokenmill.preprocess.ledger import Ledger
 from tokenmill.preprocess.run.runlog import (
     OutputNotWritable,
     RunFolder,
@@ -77,9 +85,11 @@ class Pipeline:
         ray_address: str | None = None,
         storage_options: dict[str, Any] | None = None,
         staging_dir: str | Path | None = None,
+        dry_run: bool = False,
     ):
         if not isinstance(config, PipelineConfig):
             config = PipelineConfig.from_file(config)
+        check_hooks(config)  # a hook that does not import fails here, before any work
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
         self.config = config
@@ -107,12 +117,18 @@ class Pipeline:
         self.overwrite = overwrite
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.ray_address = ray_address
+        self.dry_run = dry_run
+        # a dry run's histograms: "rows" / "documents" -> {power of two: how many at or below it}
+        self.lengths: dict[str, dict[int, int]] = {"rows": {}, "documents": {}}
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> Summary:
         """The whole run, holding the output's lock: one run writes an output at a time. An
         output that cannot be written (a read-only filesystem) is still found finished, where
-        it is: the same job run again there reports its summary and writes nothing."""
+        it is: the same job run again there reports its summary and writes nothing. A dry run
+        takes no lock: it writes nothing."""
+        if self.dry_run:
+            return self._run()
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(output_lock(self._out))
@@ -148,6 +164,17 @@ class Pipeline:
         bundle = load_tokenizer(self.tokenizer_path)
         masker = RecordMasker(self.config, bundle)  # validates that the tokenizer suits the config
         identities = [input_identity(f) for f in files]  # read once: the run's own view
+        sizes = [size for size, _ in identities]
+        plans = plan_tasks(files, sizes, self.config.preprocessing.task_bytes)
+        out = self.config.output
+        layout = (masker.layout.dtypes(), masker.layout.primary_key(), out.max_tokens_per_shard)
+        if self.dry_run:
+            spec = OutputSpec(None, None, *layout, out.storage_format, self.on_error, True)
+            with self._engine.session():
+                summary, _, _ = self._merge(plans, spec, self._worker_config(files))
+            self._check_ledger(summary)
+            summary.seconds = time.perf_counter() - start
+            return summary
         inputs = [[str(f), *identity] for f, identity in zip(files, identities, strict=True)]
         run_id = self._run_id(bundle.fingerprint, inputs)
         done = self._finished(run_id) if finished_only else self._prepare_output(run_id, inputs)
@@ -164,21 +191,16 @@ class Pipeline:
         remote = self.bucket.remote if self.bucket is not None else None
         if self.bucket is not None:
             self.bucket.start()
-        sizes = [size for size, _ in identities]
-        plans = plan_tasks(files, sizes, self.config.preprocessing.task_bytes)
-        out = self.config.output
         spec = OutputSpec(
             None if remote is not None else self._out,
             remote,
-            masker.layout.dtypes(),
-            masker.layout.primary_key(),
-            out.max_tokens_per_shard,
+            *layout,
             out.storage_format,
             self.on_error,
         )
         try:
             with self._engine.session():
-                summary, domains, index = self._merge(plans, spec)
+                summary, domains, index = self._merge(plans, spec, self._worker_config(files))
         except BaseException as err:
             if isinstance(err, RecordError):  # bad input: remove everything, nothing looks complete
                 self._remove_output()
@@ -187,9 +209,7 @@ class Pipeline:
                 self.bucket.abort(remove=isinstance(err, RecordError))
             raise
         summary.shards = sum(len(infos) for infos in domains.values())
-        unbalanced = summary.ledger().unbalanced()
-        if unbalanced:  # a defect in tokenmill, never in the data: no manifest, nothing complete
-            raise RuntimeError(f"{self.output_dir}: the ledger does not balance: {unbalanced}")
+        self._check_ledger(summary)
         summary.seconds = time.perf_counter() - start
         if index:  # the dataset's index, before the manifest (a bucket's: uploaded before it)
             write_indexes(self._out, index)
@@ -197,35 +217,90 @@ class Pipeline:
         if rejects.exists():
             os.replace(rejects, self._out / "rejects.jsonl")
             fsync_dir(self._out)
-        write_manifest(
-            self._out, self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id)
-        )
+        manifest = self._manifest(bundle.fingerprint, masker, domains, summary, files, run_id)
+        if self.config.preprocessing.validation is not None:
+            self._write_splits(manifest, index)
+        write_manifest(self._out, manifest)
         if self.bucket is not None:
             self.bucket.commit()  # manifest.json uploaded last: the commit point
         run_folder.remove()
         return summary
 
+    def _check_ledger(self, summary: Summary) -> None:
+        unbalanced = summary.ledger().unbalanced()
+        if unbalanced:  # a defect in tokenmill, never in the data: no manifest, nothing complete
+            raise RuntimeError(f"{self.output_dir}: the ledger does not balance: {unbalanced}")
+
+    def _worker_config(self, files: list[InputPath]) -> PipelineConfig:
+        """The config the workers get: a by-record split's root filled in (the folder
+        holding every input file), as a worker sees its own records' files only."""
+        rule = self.config.preprocessing.validation
+        if rule is None or rule.by != "record" or rule.root is not None:
+            return self.config
+        root = input_root([str(f) for f in files if not isinstance(f, DatasetInput)])
+        pre = self.config.preprocessing.model_copy(
+            update={"validation": rule.model_copy(update={"root": root})}
+        )
+        return self.config.model_copy(update={"preprocessing": pre})
+
+    def _write_splits(self, manifest: dict, index: dict[str, list[dict]]) -> None:
+        """OUT/train and OUT/validation each a dataset: its index and its manifest (the run's,
+        with the split's shards and ledger), before OUT's manifest, the run's commit point."""
+        for split in SPLITS:
+            folder = self._out / split
+            if not folder.is_dir():
+                continue
+            facts = in_split(index, split)
+            if facts:
+                write_indexes(folder, facts)
+            ledgers = in_split(manifest["summary"]["domains"], split)
+            total = Ledger()
+            for data in ledgers.values():
+                total.add(Ledger.from_dict(data))
+            domains = in_split(manifest["domains"], split)
+            rows = sum(info["records"] for infos in domains.values() for info in infos)
+            summary = Summary(
+                records_read=total.records_read,
+                records_written=total.records_written,
+                rows=rows,
+                tokens=total.tokens_written,
+                dropped_tokens=total.dropped_tokens,
+                shards=sum(len(infos) for infos in domains.values()),
+                tokens_read=total.tokens_read,
+                dropped=total.as_dict()["dropped"],
+                domains=ledgers,
+            )
+            write_manifest(
+                folder,
+                {**manifest, "split": split, "domains": domains, "summary": summary.as_dict()},
+            )
+
     def _merge(
-        self, plans: list[TaskPlan], spec: OutputSpec
+        self, plans: list[TaskPlan], spec: OutputSpec, config: PipelineConfig
     ) -> tuple[Summary, dict[str, list[dict]], dict[str, list[dict]]]:
         """The tasks' records in task order (those of an interrupted run's tasks read back,
         the others as the engine does them) into the summary, the rejects, each domain's
-        shard entries and what the index needs of each shard."""
+        shard entries and what the index needs of each shard; a dry run's lengths."""
         done = read_task_records(spec.out, spec.remote)
         todo = [plan for plan in plans if plan.index not in done]
         staging = self.bucket.local if self.bucket is not None else None
         summary, domains, index = Summary(), dict[str, list[dict]](), dict[str, list[dict]]()
         bar = _progress_bar(self.progress)
         rejects: IO[bytes] | None = None
-        results = self._engine.run_tasks(todo, self.config, self.tokenizer_path, spec, staging)
+        results = self._engine.run_tasks(todo, config, self.tokenizer_path, spec, staging)
         try:
             for plan in plans:
                 record = done.get(plan.index) or next(results)
                 if record["task"] != plan.index:  # a defect in an engine, never in the data
                     raise RuntimeError(f"task {record['task']} came where {plan.index} was due")
                 summary.add_counts(record["counts"])
+                for kind, buckets in record.get("lengths", {}).items():
+                    for bucket, count in buckets:
+                        self.lengths[kind][bucket] = self.lengths[kind].get(bucket, 0) + count
                 for err in record["errors"]:
                     summary.count_error(err["reason"], err["text"])
+                    if spec.dry_run:
+                        continue
                     if rejects is None:
                         rejects = open(self._out / RUN_DIR / "rejects.jsonl", "wb")  # noqa: SIM115
                     rejects.write(reject_line(err))
@@ -332,7 +407,7 @@ class Pipeline:
             **({"tokenizer_name": self.tokenizer_name} if self.tokenizer_name else {}),
             "chat_template": template_identity(masker.bundle, self.config.chat_template),
             "run_id": run_id,
-            "config": self.config.model_dump(mode="json"),
+            "config": self.config.dump(),
             "keys": masker.layout.dtypes(),
             "primary_key": masker.layout.primary_key(),
             "storage_format": self.config.output.storage_format,

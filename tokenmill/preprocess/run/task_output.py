@@ -7,7 +7,9 @@ staged in a temp folder, then uploaded, meta.json last), then its record,
 entries and what the dataset's index needs of them (`shards/index.py`: read here, where the
 shards are, so the driver never reads a shard). The record is the task's commit point: a task without one is done again from the
 start, its own shard names rewritten (a retried task writes the same bytes); the driver only
-orders the records into the manifest, the summary and `rejects.jsonl`.
+orders the records into the manifest, the summary and `rejects.jsonl`. A dry run's tasks
+(`OutputSpec.dry_run`) write nothing: their record, returned, counts the rows' and the
+documents' lengths instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from tokenmill.preprocess.document.filters import FILTER_REASONS
@@ -50,6 +53,7 @@ class OutputSpec:
     max_tokens_per_shard: int
     storage_format: str
     on_error: str
+    dry_run: bool = False
 
 
 class TaskWriter:
@@ -58,7 +62,10 @@ class TaskWriter:
     def __init__(self, spec: OutputSpec, plan: TaskPlan, staging: Path | None = None):
         self.spec, self.task = spec, plan.index
         self.rank = {str(piece.path): piece.file for piece in plan.pieces}
-        if spec.remote is not None:
+        self.lengths: dict[str, dict[int, int]] = {"rows": {}, "documents": {}}
+        if spec.dry_run:
+            self.root, self._own_staging = Path(), False  # never written to
+        elif spec.remote is not None:
             self.root = staging or Path(tempfile.mkdtemp(prefix="tokenmill-task-"))
             self._own_staging = staging is None
         else:
@@ -96,8 +103,21 @@ class TaskWriter:
         self.counts["trained_tokens"] += result.trained_tokens
         for domain, ledger in result.ledgers.items():
             self.ledgers.setdefault(domain, Ledger()).add(ledger)
+        if self.spec.dry_run:
+            self._count_lengths(result)
+            return
         for domain, row in result.rows:
             self._writer(domain).add(row)
+
+    def _count_lengths(self, result: ChunkResult) -> None:
+        """The lengths of the chunk's rows (their primary key's tokens) and documents (a packed
+        row's `doc_lengths`; a row otherwise), by power of two (`length_bucket`)."""
+        for _, row in result.rows:
+            value = row[self.spec.primary_key]
+            size = len(value) if isinstance(value, np.ndarray) else sum(map(len, value))
+            docs = row.get("doc_lengths")
+            _count(self.lengths["rows"], [size])
+            _count(self.lengths["documents"], [size] if docs is None else list(docs))
 
     def _writer(self, domain: str) -> ShardWriter:
         writer = self.writers.get(domain)
@@ -118,6 +138,16 @@ class TaskWriter:
     def finish(self) -> dict[str, Any]:
         """Publishes the task's last shards (uploads them, to a bucket), then its record; returns
         the record."""
+        if self.spec.dry_run:
+            counts = {**self.counts, "ledgers": {d: lg.as_dict() for d, lg in self.ledgers.items()}}
+            return {
+                "task": self.task,
+                "counts": counts,
+                "errors": self.errors,
+                "shards": {},
+                "index": {},
+                "lengths": {k: sorted(v.items()) for k, v in self.lengths.items()},
+            }
         shards = {domain: writer.close() for domain, writer in sorted(self.writers.items())}
         index = {}  # what the dataset's index needs of each shard, read here where it lies
         if self.spec.storage_format == "bin":
@@ -161,6 +191,17 @@ class TaskWriter:
             writer.abort()
         if self._own_staging:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def length_bucket(length: int) -> int:
+    """The power of two a length is counted under: the smallest at or above it (0 for 0)."""
+    return 0 if length <= 0 else 1 << (int(length) - 1).bit_length()
+
+
+def _count(buckets: dict[int, int], lengths: list[int]) -> None:
+    for length in lengths:
+        bucket = length_bucket(length)
+        buckets[bucket] = buckets.get(bucket, 0) + 1
 
 
 def _remove_own_shards(domain_dir: Path, task: int, storage_format: str) -> None:

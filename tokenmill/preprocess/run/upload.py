@@ -136,12 +136,15 @@ class BucketOutput:
     # --- after the run -------------------------------------------------------------------
     def commit(self) -> None:
         """Once the manifest is written in staging: the dataset's index files, rejects.jsonl,
-        then manifest.json (the commit point), then the run folder removed, here and there."""
+        the splits' manifests, then manifest.json (the commit point), then the run folder
+        removed, here and there."""
         self.lock.check(server=True)  # a run whose lock another took over never commits
         indexes = sorted(self.local.glob(f"**/{INDEX_NAME}"))
         self.remote.put([(p, p.relative_to(self.local).as_posix()) for p in indexes])
         if (self.local / "rejects.jsonl").exists():
             self.remote.put([(self.local / "rejects.jsonl", "rejects.jsonl")])
+        splits = sorted(self.local.glob("*/manifest.json"))  # train/, validation/: datasets
+        self.remote.put([(p, p.relative_to(self.local).as_posix()) for p in splits])
         self.remote.put([(self.local / "manifest.json", "manifest.json")])
         self.remote.remove_all(RUN_DIR)
         shutil.rmtree(self.local, ignore_errors=True)
