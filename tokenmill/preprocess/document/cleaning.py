@@ -27,10 +27,12 @@ from typing import Any
 import orjson
 
 from tokenmill.preprocess.config import ConfigError, PipelineConfig
+from tokenmill.preprocess.inputs.fields import SHAREGPT_ROLES
 from tokenmill.preprocess.inputs.records import Record, RecordError
 
 SPLITS = ("train", "validation")
 _SPACE = re.compile(r"\s+")
+_SHAREGPT = {k: v for k, v in SHAREGPT_ROLES.items() if k != "function_call"}  # from -> role
 
 
 @functools.cache
@@ -128,7 +130,8 @@ def split_of(record: Record, config: PipelineConfig) -> str | None:
 def document_text(record: Record, config: PipelineConfig) -> str:
     """The record's content as the split compares it: the values of the fields its sections
     read (the first of a field's `columns` a record has), as canonical JSON, every string in
-    Unicode NFC with runs of white space made one space and its ends stripped. Other fields
+    Unicode NFC with runs of white space made one space and its ends stripped; a ShareGPT
+    message (`from`/`value`) as the OpenAI one it stands for (`role`/`content`). Other fields
     (ids, sources, dates) do not count: the same text under another id is the same document."""
     values = []
     for field in dict.fromkeys(s.field for s in config.all_sections()):
@@ -149,6 +152,9 @@ def _normalized(value: Any) -> Any:
     if isinstance(value, str):
         return _SPACE.sub(" ", unicodedata.normalize("NFC", value)).strip()
     if isinstance(value, dict):
+        if "role" not in value and value.get("from") in _SHAREGPT:  # the same chat, either shape
+            rest = {k: v for k, v in value.items() if k not in ("from", "value")}
+            value = {"role": _SHAREGPT[value["from"]], "content": value.get("value"), **rest}
         return {str(k): _normalized(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_normalized(v) for v in value]

@@ -2,9 +2,11 @@
 
 The pipeline talks to one interface: `session()` holds what the run needs (Ray: a
 connection), and `run_tasks()` does the tasks it is given and yields each one's record
-(run/task_output.py) in task order; each task writes its own shards. `LocalEngine` uses
-threads of this machine (two to a process) and writes the shards here; `RayEngine`
-(ray/engine.py) runs each task on a Ray cluster, where the task writes its own shards.
+(run/task_output.py) in task order; each task writes its own shards. `hash_tasks()` is the
+dedup pre-pass's (dedup.py): each task's records' keys, worked out where tasks run.
+`LocalEngine` uses threads of this machine (two to a process) and writes the shards here;
+`RayEngine` (ray/engine.py) runs each task on a Ray cluster, where the task writes its own
+shards.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # the chunk machinery (tokenizer, templates) loads when a run starts
+    import numpy as np
+
     from tokenmill.preprocess.config import PipelineConfig
     from tokenmill.preprocess.engines.chunks import Chunk, ChunkResult
     from tokenmill.preprocess.engines.tasks import TaskPlan
@@ -33,7 +37,9 @@ ENGINES = ("local", "ray")
 class Engine(Protocol):
     """`run_tasks` does `plans` (in task order) and yields each task's record in that order;
     under on_error="raise" the first bad record in input order raises, after every task
-    started has stopped (nothing is written after the error reaches the pipeline)."""
+    started has stopped (nothing is written after the error reaches the pipeline).
+    `duplicates`: task index -> sorted positions of the records it sets aside (dedup.py).
+    `hash_tasks`: each plan's records' dedup keys (`dedup.task_hashes`), in plan order."""
 
     def session(self) -> contextlib.AbstractContextManager[Any]: ...
 
@@ -44,7 +50,10 @@ class Engine(Protocol):
         tokenizer_path: str,
         spec: OutputSpec,
         staging: Path | None,
+        duplicates: Mapping[int, np.ndarray] | None = None,
     ) -> Generator[dict[str, Any], None, None]: ...
+
+    def hash_tasks(self, plans: Sequence[TaskPlan], config: PipelineConfig) -> list[np.ndarray]: ...
 
 
 def make_engine(name: str, workers: int | None, ray_address: str | None = None) -> Engine:
@@ -67,6 +76,11 @@ def _pool_worker(parent: int, config_data: dict, tokenizer_path: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     setup_worker(config_data, tokenizer_path)
+
+
+def _watch_parent(parent: int) -> None:
+    """A hashing worker: gone within a second of its parent's death."""
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
 
 
 def _exit_with(parent: int) -> None:
@@ -94,6 +108,7 @@ class LocalEngine:
         tokenizer_path: str,
         spec: OutputSpec,
         staging: Path | None,
+        duplicates: Mapping[int, np.ndarray] | None = None,
     ) -> Generator[dict[str, Any], None, None]:
         """The tasks' chunks in one stream, so the threads stay busy across tasks' ends; this
         thread writes each task's shards as its results come, in order."""
@@ -103,8 +118,9 @@ class LocalEngine:
         pre = config.preprocessing
         budget = None if pre.max_items is None else [pre.max_items]
         unit = config.input.text_unit
+        dups = duplicates or {}
         chunks = chain.from_iterable(
-            task_chunks(plan, pre.batch_size, unit, budget) for plan in plans
+            task_chunks(plan, pre.batch_size, unit, budget, dups.get(plan.index)) for plan in plans
         )
         by_index = {plan.index: plan for plan in plans}
         writer: TaskWriter | None = None
@@ -121,6 +137,23 @@ class LocalEngine:
                 if writer is not None:
                     writer.abort()
                 raise
+
+    def hash_tasks(self, plans: Sequence[TaskPlan], config: PipelineConfig) -> list[np.ndarray]:
+        """Up to THREADS workers: hashed here, a task after another (a process to start would
+        cost more); more: in up to `workers` spawned processes, a task each at a time (hashing
+        holds the GIL: threads would not help)."""
+        from tokenmill.preprocess.dedup import task_hashes
+        from tokenmill.preprocess.engines.chunks import THREADS
+
+        data = config.model_dump(mode="json")
+        workers = min(self.workers or os.cpu_count() or 1, len(plans))
+        if workers <= THREADS:
+            return [task_hashes(plan, data) for plan in plans]
+        ctx = get_context("spawn")
+        with ProcessPoolExecutor(
+            workers, mp_context=ctx, initializer=_watch_parent, initargs=(os.getpid(),)
+        ) as pool:
+            return list(pool.map(task_hashes, plans, repeat(data)))
 
     def _results(
         self, chunks: Iterator[Chunk], config: PipelineConfig, tokenizer_path: str

@@ -10,7 +10,7 @@ record: the driver knows its tasks as soon as the inputs are listed, in O(files)
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from tokenmill.preprocess.engines.chunks import Chunk
@@ -84,13 +84,19 @@ def task_chunks(
     batch_size: int,
     text_unit: TextUnit,
     budget: list[int] | None = None,
+    duplicates: Iterable[int] | None = None,
 ) -> Iterator[Chunk]:
     """The task's records in order, cut into chunks of `batch_size`; a read error travels in
     the chunk that was filling when it was met (whoever writes the chunk's rows decides what
     it stops: run/task_output.py), so the first bad record stops a run in input order. The last chunk is marked (an empty one if
     the task has no record). `budget`: records the run may still read (max_items), shared
-    by the tasks of a run on one machine; a task past it reads nothing."""
+    by the tasks of a run on one machine; a task past it reads nothing. `duplicates`: the
+    sorted positions of the records (counted as read here) that the dedup pre-pass found
+    (dedup.py): each goes to its chunk's `duplicates`, and counts for the budget but not for
+    `batch_size`, so the chunks are those of the input without them."""
     chunk = Chunk(plan.index, 0)
+    dups = iter(duplicates if duplicates is not None else ())
+    next_dup, position = next(dups, -1), 0
     for piece in plan.pieces:
         if budget is not None and budget[0] <= 0:
             break
@@ -100,7 +106,12 @@ def task_chunks(
             if errors:
                 chunk.read_errors.extend(errors)
                 errors.clear()
-            chunk.records.append(record)
+            if position == next_dup:
+                chunk.duplicates.append(record)
+                next_dup = next(dups, -1)
+            else:
+                chunk.records.append(record)
+            position += 1
             if budget is not None:
                 budget[0] -= 1
             if len(chunk.records) == batch_size:

@@ -16,10 +16,12 @@ import contextlib
 import math
 import uuid
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import numpy as np
 
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.engines.tasks import TaskPlan
@@ -61,13 +63,19 @@ _RUN: str | None = None  # the run this worker process is set up for (`setup_wor
 
 
 def run_task(
-    plan: TaskPlan, run: str, config_data: dict, tokenizer_path: str, spec: OutputSpec
+    plan: TaskPlan,
+    run: str,
+    config_data: dict,
+    tokenizer_path: str,
+    spec: OutputSpec,
+    duplicates: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """A Ray task: one task's chunks worked on THREADS threads, as a local engine's process
     works them, its shards written and its record returned. Ray keeps its worker processes,
     so a process loads the tokenizer and starts its threads at its first task of a run only.
     A bad record under on_error="raise" comes back as {"error": ...}, its task's shards
-    removed, so that the driver raises the first one in input order."""
+    removed, so that the driver raises the first one in input order. `duplicates`: the
+    positions of the records the dedup pre-pass sets aside (`task_chunks`)."""
     global _RUN
     from tokenmill.preprocess.chat.tokenizer import tokenizer_threads_off
     from tokenmill.preprocess.engines.chunks import process_stream, setup_worker
@@ -81,7 +89,9 @@ def run_task(
     writer = TaskWriter(spec, plan)
     try:
         with tokenizer_threads_off():  # the threads encode on their own, on the task's CPUs
-            for result in process_stream(task_chunks(plan, pre["batch_size"], unit)):
+            for result in process_stream(
+                task_chunks(plan, pre["batch_size"], unit, None, duplicates)
+            ):
                 writer.add(result)
         return writer.finish()
     except RecordError as err:
@@ -116,29 +126,59 @@ class RayEngine:
         tokenizer_path: str,
         spec: OutputSpec,
         staging: Path | None,
+        duplicates: Mapping[int, np.ndarray] | None = None,
     ) -> Generator[dict[str, Any], None, None]:
         """Records in task order; at most AHEAD tasks per slot are submitted at once, so the
         driver holds a few records, whatever the run's size."""
         ray = self.ray
-        nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
-        node = min((cpus for cpus in nodes if cpus > 0), default=1.0)
-        total = float(ray.cluster_resources().get("CPU", 1.0))
-        slots, cpus = pool_size(total, self.workers, node)
+        slots, cpus = self._slots()
         remote = ray.remote(run_task).options(num_cpus=cpus, max_retries=MAX_RETRIES)
         args = (uuid.uuid4().hex, config.model_dump(mode="json"), tokenizer_path, spec)
         shared = [ray.put(arg) for arg in args]  # sent once, not with every task
-        todo = iter(plans)
-        pending: deque[Any] = deque()
-        try:
-            while True:
-                while len(pending) < AHEAD * slots and (plan := next(todo, None)) is not None:
-                    pending.append(remote.remote(plan, *shared))
-                if not pending:
-                    return
-                record = ray.get(pending.popleft())
+        dups = duplicates or {}
+        calls = ((plan, *shared, dups.get(plan.index)) for plan in plans)
+        # closed here, not when collected: the tasks still running stop before an error leaves
+        with contextlib.closing(self._in_order(remote, calls, AHEAD * slots)) as records:
+            for record in records:
                 if "error" in record:
                     raise record["error"]
                 yield record
+
+    def hash_tasks(self, plans: Sequence[TaskPlan], config: PipelineConfig) -> list[np.ndarray]:
+        """Each plan's records' dedup keys, hashed by Ray tasks on a thread's share of a slot
+        (hashing holds the GIL), as many at once as the run has threads."""
+        from tokenmill.preprocess.dedup import task_hashes
+        from tokenmill.preprocess.engines.chunks import THREADS
+
+        slots, cpus = self._slots()
+        remote = self.ray.remote(task_hashes).options(
+            num_cpus=cpus / THREADS, max_retries=MAX_RETRIES
+        )
+        data = self.ray.put(config.model_dump(mode="json"))
+        calls = ((plan, data) for plan in plans)
+        return list(self._in_order(remote, calls, AHEAD * slots * THREADS))
+
+    def _slots(self) -> tuple[int, float]:
+        """`pool_size` for the cluster connected to."""
+        ray = self.ray
+        nodes = [n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n["Alive"]]
+        node = min((cpus for cpus in nodes if cpus > 0), default=1.0)
+        total = float(ray.cluster_resources().get("CPU", 1.0))
+        return pool_size(total, self.workers, node)
+
+    def _in_order(
+        self, remote: Any, calls: Iterator[tuple], ahead: int
+    ) -> Generator[Any, None, None]:
+        """`remote` called with each of `calls`, at most `ahead` at once, results in order."""
+        ray = self.ray
+        pending: deque[Any] = deque()
+        try:
+            while True:
+                while len(pending) < ahead and (args := next(calls, None)) is not None:
+                    pending.append(remote.remote(*args))
+                if not pending:
+                    return
+                yield ray.get(pending.popleft())
         finally:  # an error or a closed run: the tasks still running are stopped, and waited for
             for ref in pending:
                 ray.cancel(ref, force=True)

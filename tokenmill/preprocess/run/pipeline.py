@@ -33,6 +33,7 @@ from tokenmill import __version__
 from tokenmill.preprocess.chat.tokenizer import load_tokenizer, tokenizer_folder
 from tokenmill.preprocess.chat.training_templates import template_identity
 from tokenmill.preprocess.config import PipelineConfig
+from tokenmill.preprocess.dedup import dedup_plan
 from tokenmill.preprocess.document.cleaning import SPLITS, check_hooks, in_split, input_root
 from tokenmill.preprocess.document.masking import RecordMasker
 from tokenmill.preprocess.engines.engine import make_engine
@@ -287,7 +288,11 @@ class Pipeline:
         summary, domains, index = Summary(), dict[str, list[dict]](), dict[str, list[dict]]()
         bar = _progress_bar(self.progress)
         rejects: IO[bytes] | None = None
-        results = self._engine.run_tasks(todo, config, self.tokenizer_path, spec, staging)
+        # every task's keys, done ones' too: a first copy may be in one (dedup.py)
+        duplicates = dedup_plan(self._engine, plans, config) if todo else {}
+        results = self._engine.run_tasks(
+            todo, config, self.tokenizer_path, spec, staging, duplicates
+        )
         try:
             for plan in plans:
                 record = done.get(plan.index) or next(results)
