@@ -3,6 +3,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,3 +41,16 @@ def pytest_ignore_collect(collection_path: Path, config):
         if _slow_module(collection_path):
             return True
     return None
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster of two CPUs for one test module. Its workers import the tests'
+    own modules (the cleaning hooks live in tests/preprocess/test_cleaning.py)."""
+    import ray
+
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here / "preprocess"), str(here), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    yield
+    ray.shutdown()

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import QWEN, TESTS
+from helpers import QWEN
 
 from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 from tokenmill.preprocess.config import ConfigError, PipelineConfig
@@ -251,16 +251,6 @@ def _ledger(read: int, written: int, tokens: int, duplicate: int) -> dict:
 
 
 # --- on Ray ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    path = os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.slow

@@ -269,15 +269,6 @@ def test_a_resumed_run_drops_the_same_records(tmp_path):
 # --- on Ray ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_ray_engine_drops_the_same_records_and_writes_the_same_bytes(

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import QWEN, TESTS
+from helpers import QWEN
 
 from tokenmill.preprocess.chat.tokenizer import load_tokenizer
 from tokenmill.preprocess.config import PipelineConfig
@@ -174,16 +173,6 @@ def test_loading_the_root_of_a_split_output_is_refused(tmp_path, storage_format)
         DatasetFactory.load("seq", out, window_size=64)
     for split in ("train", "validation"):
         assert len(DatasetFactory.load("seq", out / split, window_size=64)) > 0
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    path = os.pathsep.join([str(HERE), str(TESTS), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.slow
