@@ -51,6 +51,11 @@ def ray_cluster():
 
     here = Path(__file__).parent
     path = os.pathsep.join([str(here / "preprocess"), str(here), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        address="local",  # a cluster of its own, never one another job started
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
     yield
     ray.shutdown()

@@ -147,6 +147,9 @@ def test_an_edited_mix_is_refused_by_name():
     refused(other_b, r"B: MapDistributor cannot resume: fingerprint: saved 'len=2', now 'len=3'")
     two = MixtureDistributor([MapDistributor([1]), MapDistributor([2])], [2, 1], repeats=[2, 1])
     refused(two, r"sources: saved 3, now 2")
+    for left in ([True], [3], ["0"]):  # a bool is not a source's number
+        state["left"] = left
+        refused(three("stop"), rf"left {left!r} names no sources of these".replace("[", r"\["))
 
 
 def test_repeats_are_checked_when_the_mix_is_made():

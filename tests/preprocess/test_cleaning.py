@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import QWEN
 
@@ -44,6 +45,16 @@ def fails_on_7(record: dict) -> dict:
     if record["n"] == 7:
         raise ValueError("no sevens")
     return record
+
+
+def numpy_even(record: dict):
+    """filter: a numpy comparison's verdict (numpy.bool_, not bool)."""
+    return np.int64(record["n"]) % 2 == 0
+
+
+def parses(record: dict) -> dict:
+    """map: json.loads raises inside the json library on record 5."""
+    return {**record, "parsed": json.loads("{" if record["n"] == 5 else "{}")}
 
 
 def says_yes(record: dict) -> str:
@@ -119,7 +130,12 @@ def test_a_hook_in_a_py_file_beside_the_config_runs_in_spawned_workers(tmp_path)
     recipe folder needs no package on sys.path; spawned workers import the same file."""
     folder = tmp_path / "recipe"
     folder.mkdir()
-    (folder / "hooks.py").write_text("def keep(record):\n    return record['n'] % 3 == 0\n")
+    hooks = (  # a dataclass under postponed annotations needs its module in sys.modules
+        "from __future__ import annotations\nimport dataclasses\n\n\n"
+        "@dataclasses.dataclass\nclass Every:\n    n: int\n\n\n"
+        "def keep(record):\n    return record['n'] % Every(3).n == 0\n"
+    )
+    (folder / "hooks.py").write_text(hooks)
     data = config().model_dump(mode="json")
     data["preprocessing"]["filter"] = "hooks.py:keep"
     (folder / "config.json").write_text(json.dumps(data))
@@ -129,10 +145,29 @@ def test_a_hook_in_a_py_file_beside_the_config_runs_in_spawned_workers(tmp_path)
     summary = run(cfg, src, tmp_path / "out", workers=4)
     assert summary.records_written == 8
     assert summary.dropped == {"filtered": {"records": 16, "tokens": 0}}
+    first = read_manifest(tmp_path / "out")
+    assert first["hooks"]["filter"].startswith(f"{folder / 'hooks.py'}:keep sha256:")
+    (folder / "hooks.py").write_text(hooks.replace("Every(3)", "Every(4)"))  # edited code
+    with pytest.raises(FileExistsError):  # another job, though the config reads the same
+        run(cfg, src, tmp_path / "out", workers=1)
+    assert run(cfg, src, tmp_path / "out", workers=1, overwrite=True).records_written == 6
+    assert read_manifest(tmp_path / "out")["fingerprint"] != first["fingerprint"]
     data["preprocessing"]["filter"] = "missing.py:keep"
     (folder / "config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=r"preprocessing.filter: cannot import .*missing.py:keep"):
         run(PipelineConfig.from_file(folder / "config.json"), src, tmp_path / "other", workers=1)
+
+
+def test_a_numpy_verdict_filters_and_an_error_deep_in_a_library_names_the_hook_s_line(
+    tmp_path,
+):
+    src = write(tmp_path / "in.jsonl", records())
+    summary = run(config(filter="test_cleaning:numpy_even"), src, tmp_path / "out", workers=1)
+    assert summary.dropped == {"filtered": {"records": 12, "tokens": 0}}
+    with pytest.raises(RecordError) as caught:
+        run(config(map="test_cleaning:parses"), src, tmp_path / "other", workers=1)
+    line = parses.__code__.co_firstlineno + 2  # the hook's own line, not json's
+    assert str(caught.value).endswith(f" at {HERE / 'test_cleaning.py'}:{line}")
 
 
 def test_a_hook_that_raises_stops_the_run_naming_file_line_and_hook(tmp_path):

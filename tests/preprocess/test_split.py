@@ -154,6 +154,8 @@ def test_domains_sit_under_the_splits_and_each_split_loads_alone(tmp_path):
         assert manifest["split"] == split and sorted(manifest["domains"]) == ["a", "b"]
         store = MmapStore(window_size=64).load(out / split)
         assert store.manifest["split"] == split
+        parts = [MmapStore(window_size=64).load(out / split / d).num_rows for d in "ab"]
+        assert sum(parts) == store.num_rows  # a split's domain loads on its own too
         records = manifest["summary"]["records_read"]
         assert records == sum(summary.domains[f"{split}/{d}"]["records_read"] for d in "ab")
         assert manifest["summary"]["tokens"] == sum(

@@ -176,9 +176,17 @@ def test_late_heartbeats_do_not_lose_a_lock_nobody_took(options, bucket):
     lock = BucketLock(Remote(f"s3://{bucket}/late", options), stale_s=0.0, heartbeat_s=3600)
     lock.acquire()
     lock.refreshed -= 10.0  # ten stale times without a heartbeat
+    before = lock.etag
     lock.check(server=True)
-    assert not lock.lost
-    lock.release()
+    assert not lock.lost and lock.etag != before  # rewritten: fresh while the commit runs
+    thief = BucketLock(Remote(f"s3://{bucket}/late", options), stale_s=0.0, heartbeat_s=3600)
+    thief.holder.update(host="elsewhere", pid=4242)
+    time.sleep(1.5)  # LastModified has a 1 s resolution
+    thief.acquire()  # past its (zero) stale time: taken over
+    with pytest.raises(RuntimeError, match="no longer holds the prefix's lock"):
+        lock.check(server=True)
+    thief.release()
+    lock.release()  # lost: another run's lock is not removed
     assert not Remote(f"s3://{bucket}/late", options).exists(LOCK)
 
 

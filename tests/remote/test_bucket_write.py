@@ -278,7 +278,7 @@ def test_a_killed_cli_run_resumes_from_the_bucket(tmp_path, bucket, s3_server):
 @pytest.fixture(scope="module")
 def ray_session():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
 
@@ -326,20 +326,24 @@ def test_sizes_read_as_people_write_them():
         parse_size("lots")
 
 
-@pytest.mark.slow  # an S3 server
+@pytest.mark.slow  # an S3 server (and Ray)
+@pytest.mark.parametrize("engine", ["local", "ray"])
 def test_a_split_run_in_a_bucket_is_the_local_bytes_and_its_root_is_refused(
-    tmp_path, bucket, options
+    tmp_path, bucket, options, engine, request
 ):
     """train/ and validation/ are datasets of their own in the bucket as on disk (their
-    manifests uploaded before the root's); loading the root, which holds both, is refused."""
+    manifests uploaded before the root's; Ray tasks stage their shards on their own, so the
+    driver makes the split folders it writes them in); loading the root is refused."""
+    if engine == "ray":
+        request.getfixturevalue("ray_session")
     data = small_config("seq").model_dump(mode="json")
     data["preprocessing"]["validation"] = {"fraction": 0.2, "by": "document", "seed": 1}
     cfg = PipelineConfig.from_dict(data)
     src = source("seq", tmp_path)
     local = tmp_path / "local"
     Pipeline(cfg, [src], local, QWEN, workers=1, on_error="skip", progress=False).run()
-    url = f"s3://{bucket}/split"
-    bucket_run(cfg, src, url, options, tmp_path / "s")
+    url = f"s3://{bucket}/split-{engine}"
+    bucket_run(cfg, src, url, options, tmp_path / "s", engine=engine)
     got = download(url, options, tmp_path / "got")
     assert files_of(got) == files_of(local)
     assert (got / "train" / "manifest.json").is_file()

@@ -109,6 +109,10 @@ def test_shards_written_without_a_manifest_load_indexed_or_not(tmp_path):
         assert MmapStore().load(root).num_rows == 30
 
 
+def copy_of(folder: Path, to: Path) -> Path:
+    return Path(shutil.copytree(folder, to))
+
+
 def read_all(store) -> None:
     for row in range(store.num_rows):
         store.fetch_row(row, ["sequence"])
@@ -145,7 +149,11 @@ def test_a_domain_dataset_names_the_missing_shard_with_its_domain(tmp_path):
     index = ShardIndex(out / INDEX_NAME)
     names = [index.name(s) for s in range(index.count)]
     assert names[0].startswith("a/") and names[-1].startswith("b/")
-    assert load(out).num_rows > 0
+    whole = load(out).num_rows
+    # a domain folder of the finished dataset loads on its own (its manifest is OUT's)
+    assert load(out / "a").num_rows + load(out / "b").num_rows == whole
+    with pytest.raises(ValueError, match=r"manifest.json is missing"):
+        load(copy_of(out / "a", tmp_path / "alone"))  # taken out of its dataset: a lost one
     shutil.rmtree(out / names[-1])
     with pytest.raises(ValueError, match=rf"{out}/{names[-1]}/meta.json: cannot read"):
         read_all(load(out))

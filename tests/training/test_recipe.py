@@ -245,3 +245,4 @@ def test_tokenmill_mix_prints_the_realised_mix(folder, capsys):
         "path": "s3://bucket/chat", "weight": 3, "repeats": None,
     }  # fmt: skip
     assert mix.parse_source("s3://bucket/chat:0.5") == {"path": "s3://bucket/chat", "weight": 0.5}
+    assert mix.parse_source("chat:1e3") == {"path": "chat", "weight": 1000.0}  # as float() reads

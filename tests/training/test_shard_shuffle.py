@@ -137,6 +137,11 @@ def test_the_layout_keeps_runs_of_window_consecutive_shards_together():
     assert all(after[s] == s + 1 for s in range(10) if s % 3 != 2)  # runs 0-2, 3-5, 6-8, 9-10
     assert shards.tolist() != list(range(11))  # the runs themselves are shuffled
     assert layout.slots(seed=42, epoch=1)[0].tolist() != shards.tolist()
+    runs = ShardLayout(np.arange(0, 35, 5), groups=2, window=3)  # 6 shards: runs 0-2, 3-5
+    assert epoch_order(30, 42, 0, "shards", runs).tolist() == [
+        10, 17, 9, 27, 12, 29, 2, 21, 8, 15, 4, 25, 6, 23, 13, 24, 7, 19, 11, 28,
+        1, 22, 3, 18, 5, 16, 14, 26, 0, 20,
+    ]  # fmt: skip
 
 
 @settings(max_examples=120, deadline=None)

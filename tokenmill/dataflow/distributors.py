@@ -643,7 +643,9 @@ class MixtureDistributor(_IndexedDistributor):
                     )
         check_state(owner, state, {"weights": self.weights, "repeats": self.repeats})
         left = state["left"]
-        if not isinstance(left, list) or any(i not in range(len(self.sources)) for i in left):
+        if not isinstance(left, list) or any(
+            type(i) is not int or i not in range(len(self.sources)) for i in left
+        ):
             raise ValueError(f"{owner} cannot resume: left {left!r} names no sources of these")
         for i, (source, saved) in enumerate(zip(self.sources, saved_sources)):
             try:

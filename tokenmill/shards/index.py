@@ -178,7 +178,8 @@ def write_indexes(folder: Path, domains: dict[str, list[dict]]) -> None:
     whole = [(f"{d}/{f['name']}" if d else f["name"], f) for d in order for f in domains[d]]
     _write(folder, whole)
     for domain in order:
-        if domain:
+        if domain:  # made here too: a bucket run's driver stages no shard of its own
+            (folder / domain).mkdir(parents=True, exist_ok=True)
             _write(folder / domain, [(f["name"], f) for f in domains[domain]])
 
 

@@ -106,6 +106,21 @@ def refuse_split_root(where: str | Path, manifest: dict | None) -> None:
         )
 
 
+def domain_of_finished(folder: Path, levels: int = 3) -> bool:
+    """A domain folder of a finished dataset (its manifest.json is the dataset's, a few
+    folders up, and lists it): loadable on its own, though it holds no manifest."""
+    folder = Path(folder).resolve()
+    for parent in list(folder.parents)[:levels]:
+        if (parent / "manifest.json").is_file():
+            try:
+                manifest = read_manifest(parent)
+            except ValueError:
+                return False
+            domains = (manifest or {}).get("domains")
+            return isinstance(domains, dict) and folder.relative_to(parent).as_posix() in domains
+    return False
+
+
 def run_output(folder: Path, shard: str | None) -> str | None:
     """What shows a folder without manifest.json to be a preprocessing run's output (None:
     nothing, a folder of shards written otherwise, as the seed's tools write them): its run

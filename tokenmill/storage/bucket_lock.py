@@ -194,19 +194,17 @@ class BucketLock:
         )
 
     def check(self, server: bool = False) -> None:
-        """Raises if this run may no longer hold the lock. `server`: judged by the lock read
-        back (before the commit): held while it is still this run's write, however long the
-        heartbeats were late (a loaded machine); otherwise by age: not refreshed for
+        """Raises if this run may no longer hold the lock. `server` (before the commit): the
+        lock rewritten on condition that it is still this run's write (If-Match its ETag),
+        however late the heartbeats were (a loaded machine): held, and fresh for `stale_s`
+        while the commit uploads, or lost. Otherwise judged by age: not refreshed for
         `stale_s`, another run may have taken it meanwhile."""
         if not self.lost and server:
-            with self._writing:  # not while a heartbeat's write changes the ETag
-                found = self._read()
-                if self._s3:
-                    self.lost = found is None or found[1] != self.etag
-                else:
+            if not self._s3:  # no conditional write: the content read back, then rewritten
+                with self._writing:
+                    found = self._read()
                     self.lost = found is None or not self._ours(found[0])
-                if not self.lost:
-                    self.refreshed = time.monotonic()
+            self.refresh()
         elif not self.lost and time.monotonic() - self.refreshed > self.stale_s:
             self.lost = True  # heartbeats kept failing: another run may hold it now
         if self.lost:

@@ -29,6 +29,7 @@ from typing import Any
 from tokenmill.shards.format import RUN_DIR, Column, checksum
 from tokenmill.shards.index import INDEX_NAME, ShardIndex, find_index
 from tokenmill.shards.manifest import (
+    domain_of_finished,
     listed,
     read_manifest,
     refuse_split_root,
@@ -234,8 +235,8 @@ class FolderSource(ShardSource):
         unless `allow_partial`: its run did not finish, or its manifest was lost."""
         if not root.is_dir():
             raise FileNotFoundError(f"{root}: not a folder of shards")
-        finished = (root / "manifest.json").is_file()
-        if finished:
+        finished = (root / "manifest.json").is_file() or domain_of_finished(root)
+        if (root / "manifest.json").is_file():
             refuse_split_root(root, read_manifest(root))
         index = find_index(root)
         why = None

@@ -1,7 +1,8 @@
 """`tokenmill mix`: the realised mix of a recipe (docs/recipes.md), printed before training.
 
 The mixture comes from a recipe file, or from the command line (`--source PATH:WEIGHT[:REPEATS]`
-with `--type` and `--window-size`); flags given beside a file override its fields."""
+with `--type` and `--window-size`), not both; `--type`, `--window-size`, `--seed`, `--by` and
+`--on-exhausted` given beside a file override its fields."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from tokenmill.dataflow.distributors import MIXTURE_UNITS, ON_EXHAUSTED
 from tokenmill.tools.recipe import Recipe, load_recipe, realised_mix
 
 
@@ -27,10 +29,10 @@ def add_parser(sub: Any) -> None:
     )
     m.add_argument("--type", dest="train_type", help="train_type of a command-line mixture")
     m.add_argument("--window-size", type=int, help="window_size of a command-line mixture")
-    m.add_argument("--by", choices=["samples", "tokens"])
-    m.add_argument("--on-exhausted", choices=["stop", "reweight"])
+    m.add_argument("--by", choices=list(MIXTURE_UNITS))
+    m.add_argument("--on-exhausted", choices=list(ON_EXHAUSTED))
     m.add_argument("--seed", type=int)
-    m.add_argument("--samples", type=int, help="report the first SAMPLES samples only")
+    m.add_argument("--samples", type=_positive, help="report the first SAMPLES samples only")
     m.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -39,11 +41,22 @@ def parse_source(text: str) -> dict[str, Any]:
     parts = text.rsplit(":", 2)
     if len(parts) == 3 and _number(parts[1]):
         path, weight, repeats = parts[0], parts[1], yaml.safe_load(parts[2])
-        return {"path": path, "weight": yaml.safe_load(weight), "repeats": repeats}
+        return {"path": path, "weight": float(weight), "repeats": repeats}
     path, _, weight = text.rpartition(":")
     if not path or not _number(weight):
         raise ValueError(f"--source {text!r}: expected PATH:WEIGHT[:REPEATS]")
-    return {"path": path, "weight": yaml.safe_load(weight)}
+    return {"path": path, "weight": float(weight)}
+
+
+def _positive(text: str) -> int:
+    """--samples: a count of samples, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _number(text: str) -> bool:

@@ -8,8 +8,9 @@ A hook that raises, or returns the wrong type, makes the record a bad record nam
 record's file:line, the hook and where in the hook's code it raised.
 
 The split is a fixed rule of the record, never of its place in the run: a record is held
-out iff blake2b(seed, key) / 2**64 < fraction, the key being its normalized text (by
-document) or its input file's name relative to the input root and its line (by record).
+out iff blake2b(key + seed as 8 little-endian bytes, 8-byte digest, person
+b"tokenmill-split"), read big-endian, / 2**64 < fraction, the key being its normalized text
+(by document) or its input file's name relative to the input root and its line (by record).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
+import os
 import re
+import sys
 import traceback
 import unicodedata
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from tokenmill.preprocess.config import ConfigError, PipelineConfig
@@ -35,18 +41,30 @@ _SPACE = re.compile(r"\s+")
 _SHAREGPT = {k: v for k, v in SHAREGPT_ROLES.items() if k != "function_call"}  # from -> role
 
 
-@functools.cache
 def load_hook(spec: str) -> Callable[[dict], Any]:
     """The function `module:function` (or `file.py:function`) names, imported once per
-    process."""
+    process (a file: once per version of it, so that what runs is what `hooks_identity`
+    hashed)."""
+    where = spec.rpartition(":")[0]
+    if where.endswith(".py"):
+        try:
+            version = os.stat(where).st_mtime_ns
+        except OSError as err:
+            raise ImportError(f"cannot load {where}: {err.strerror}") from None
+        return _load_hook(spec, version)
+    return _load_hook(spec, 0)
+
+
+@functools.cache
+def _load_hook(spec: str, version: int) -> Callable[[dict], Any]:
     module_name, _, name = spec.rpartition(":")
     if module_name.endswith(".py"):
-        found = importlib.util.spec_from_file_location(
-            f"tokenmill_hook_{abs(hash(spec))}", module_name
-        )
+        key = hashlib.sha256(f"{spec}:{version}".encode()).hexdigest()[:16]
+        found = importlib.util.spec_from_file_location(f"tokenmill_hook_{key}", module_name)
         if found is None or found.loader is None:
             raise ImportError(f"cannot load {module_name}")
         module = importlib.util.module_from_spec(found)
+        sys.modules[found.name] = module  # as an import would: dataclasses look it up there
         found.loader.exec_module(module)
     else:
         module = importlib.import_module(module_name)
@@ -71,6 +89,19 @@ def check_hooks(config: PipelineConfig) -> None:
             ) from None
 
 
+def hooks_identity(config: PipelineConfig) -> dict[str, str]:
+    """Each hook's spec with the sha256 of the file that defines it: an edited hook is
+    another job (its run id) and other data (the dataset's fingerprint), as an edited
+    chat template is. {} without hooks."""
+    pre, out = config.preprocessing, {}
+    for field, spec in (("map", pre.map), ("filter", pre.filter)):
+        if spec is not None:
+            source = inspect.getsourcefile(load_hook(spec))
+            text = Path(source).read_bytes() if source else spec.encode()
+            out[field] = f"{spec} sha256:{hashlib.sha256(text).hexdigest()}"
+    return out
+
+
 def _hook_error(record: Record, field: str, spec: str, what: str) -> RecordError:
     return RecordError(record.source, record.line, None, f"{field} hook {spec} {what}", "bad_value")
 
@@ -79,8 +110,10 @@ def _call(record: Record, field: str, spec: str) -> Any:
     try:
         return load_hook(spec)(record.data)
     except Exception as err:  # noqa: BLE001 - the user's code: any error is the record's
-        frames = traceback.extract_tb(err.__traceback__)
-        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if len(frames) > 1 else ""
+        frames = traceback.extract_tb(err.__traceback__)[1:]  # the hook's, and what it called
+        source = inspect.getsourcefile(load_hook(spec))
+        own = [f for f in frames if f.filename == source] or frames  # the hook's own line first
+        where = f" at {own[-1].filename}:{own[-1].lineno}" if own else ""
         raise _hook_error(
             record, field, spec, f"raised {type(err).__name__}: {err}{where}"
         ) from None
@@ -103,6 +136,8 @@ def kept(record: Record, config: PipelineConfig) -> bool:
     if spec is None:
         return True
     verdict = _call(record, "filter", spec)
+    if isinstance(verdict, np.bool_):  # a numpy comparison's verdict
+        verdict = bool(verdict)
     if not isinstance(verdict, bool):
         what = f"returned {type(verdict).__name__}, expected True or False"
         raise _hook_error(record, "filter", spec, what)

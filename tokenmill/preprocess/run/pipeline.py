@@ -34,7 +34,13 @@ from tokenmill.preprocess.chat.tokenizer import load_tokenizer, tokenizer_folder
 from tokenmill.preprocess.chat.training_templates import template_identity
 from tokenmill.preprocess.config import PipelineConfig
 from tokenmill.preprocess.dedup import dedup_plan
-from tokenmill.preprocess.document.cleaning import SPLITS, check_hooks, in_split, input_root
+from tokenmill.preprocess.document.cleaning import (
+    SPLITS,
+    check_hooks,
+    hooks_identity,
+    in_split,
+    input_root,
+)
 from tokenmill.preprocess.document.masking import RecordMasker
 from tokenmill.preprocess.engines.engine import make_engine
 from tokenmill.preprocess.engines.tasks import TaskPlan, plan_tasks
@@ -143,6 +149,7 @@ class Pipeline:
 
     def _run(self, finished_only: bool = False) -> Summary:
         start = time.perf_counter()
+        self.lengths = {"rows": {}, "documents": {}}  # this run's, not an earlier run's too
         files = list_inputs(self.inputs)
         if self.engine == "ray" and any(isinstance(f, DatasetInput) for f in files):
             raise ValueError(
@@ -248,13 +255,14 @@ class Pipeline:
         """OUT/train and OUT/validation each a dataset: its index and its manifest (the run's,
         with the split's shards and ledger), before OUT's manifest, the run's commit point."""
         for split in SPLITS:
-            folder = self._out / split
-            if not folder.is_dir():
-                continue
+            ledgers = in_split(manifest["summary"]["domains"], split)
+            if not ledgers and not in_split(manifest["domains"], split):
+                continue  # no record came to this split
+            folder = self._out / split  # made here too: tasks may have written elsewhere
+            folder.mkdir(parents=True, exist_ok=True)
             facts = in_split(index, split)
             if facts:
                 write_indexes(folder, facts)
-            ledgers = in_split(manifest["summary"]["domains"], split)
             total = Ledger()
             for data in ledgers.values():
                 total.add(Ledger.from_dict(data))
@@ -335,6 +343,9 @@ class Pipeline:
         if self.config.chat_template is not None:  # the file's text, not only its path
             bundle = load_tokenizer(self.tokenizer_path)
             identity.append(template_identity(bundle, self.config.chat_template))
+        hooks = hooks_identity(self.config)  # the hooks' code too
+        if hooks:
+            identity.append(hooks)
         return _sha256(orjson.dumps(identity).decode())
 
     def _finished(self, run_id: str) -> Summary | None:
@@ -403,14 +414,19 @@ class Pipeline:
         run_id: str,
     ) -> dict:
         config_fp = self.config.fingerprint()
+        hooks = hooks_identity(self.config)
+        data_fp = f"{tokenizer_fp}:{config_fp}" + (
+            f":{orjson.dumps(hooks).decode()}" if hooks else ""
+        )
         return {
             "tool": f"tokenmill {__version__}",
-            "fingerprint": _sha256(f"{tokenizer_fp}:{config_fp}"),
+            "fingerprint": _sha256(data_fp),
             "tokenizer_fingerprint": tokenizer_fp,
             "config_fingerprint": config_fp,
             "tokenizer_path": self.tokenizer_path,
             **({"tokenizer_name": self.tokenizer_name} if self.tokenizer_name else {}),
             "chat_template": template_identity(masker.bundle, self.config.chat_template),
+            **({"hooks": hooks} if hooks else {}),
             "run_id": run_id,
             "config": self.config.dump(),
             "keys": masker.layout.dtypes(),
