@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import DATA, QWEN
@@ -364,7 +365,7 @@ def test_context_parallel_ranks_under_torchrun_gather_their_groups_batches(
     for dp_rank in range(2):
         want = list(torchrun_loader(chats, PackedCollator(), dp_rank))
         for cp_rank in range(2):
-            got = torch.load(tmp_path / f"gathered_{dp_rank}_{cp_rank}.pt", weights_only=True)
+            got = load_batches(tmp_path / f"gathered_{dp_rank}_{cp_rank}.npz")
             assert len(got) == len(want) > 0
             for batch, expected in zip(got, want, strict=True):
                 assert_same(batch, expected)
@@ -405,6 +406,23 @@ class Indexes(BatchCollator):
         return {**self.collator.collate(samples), "index": index}
 
 
+def save_batches(batches: list[dict], path: Path) -> None:
+    """Batches of tensors as plain arrays (npz, no pickle): key `i/name`."""
+    arrays = {
+        f"{i}/{k}": torch.as_tensor(v).numpy() for i, b in enumerate(batches) for k, v in b.items()
+    }
+    np.savez(path, **arrays)
+
+
+def load_batches(path: Path) -> list[dict]:
+    batches: dict[int, dict] = {}
+    with np.load(path, allow_pickle=False) as found:
+        for name in found.files:
+            i, key = name.split("/", 1)
+            batches.setdefault(int(i), {})[key] = torch.from_numpy(found[name])
+    return [batches[i] for i in sorted(batches)]
+
+
 def torchrun_main(chats: Path, out: Path) -> None:
     import torch.distributed as dist
 
@@ -417,7 +435,7 @@ def torchrun_main(chats: Path, out: Path) -> None:
         slices: list = [None, None]
         dist.all_gather_object(slices, batch, group=groups[dp_rank])
         gathered.append(context_parallel_gather(slices))
-    torch.save(gathered, out / f"gathered_{dp_rank}_{cp_rank}.pt")
+    save_batches(gathered, out / f"gathered_{dp_rank}_{cp_rank}.npz")
     dist.barrier()
     dist.destroy_process_group()
 
